@@ -1,0 +1,15 @@
+"""kvserve: an LLM inference engine built around KV-cache management."""
+from kvserve.config import EngineArgs
+from kvserve.engine.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # keep `import kvserve` light: torch loads only when the engine is used
+    if name == "LLM":
+        from kvserve.engine.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "__version__"]

@@ -1,0 +1,135 @@
+"""Engine settings: one dataclass whose fields are vLLM's engine-argument names.
+
+The CLI maps `--flag-name` onto `flag_name` one to one (see kvserve.cli); the offline API takes
+the same names as keyword arguments. Nothing else configures the engine.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3  # vLLM CPU backend's default KV space
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid; the message names the flag and what to change."""
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2,
+          "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
+
+
+def parse_size(value: str | int | float, flag: str = "size") -> int:
+    """'4GiB', '512MB', '1e9' or a plain number of bytes -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE_RE.match(value)
+    if m is None:
+        try:
+            return int(float(value))
+        except ValueError:
+            raise ConfigError(f"{flag}: cannot parse {value!r}; use bytes or a size like 4GiB, 512MiB, 2GB") from None
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF directory, .gguf file, hub id; None: embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None
+    # KV cache
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; the budget on CPU (default 4 GiB)
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # exact pool size, for tests and what-if runs
+    swap_space: float = 0.0  # GiB of host memory for swapped/offloaded KV
+    # Scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    # Among waiting requests that fit, admit those with the longest cached prefix first (SGLang's LPM).
+    cache_aware_scheduling: bool = False
+    # Debugging and logging
+    check_integrity: bool = False  # verify block accounting after every step (slow)
+    disable_log_stats: bool = False
+    max_logprobs: int = 20
+    attention_backend: str = "auto"  # auto | torch | triton
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)} (got {self.scheduling_policy!r})")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)} (got {self.preemption_mode!r})")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"--kv-cache-memory must be > 0 bytes (got {self.kv_cache_memory})")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1 (got {self.max_model_len})")
+        if self.swap_space < 0:
+            raise ConfigError(f"--swap-space must be >= 0 GiB (got {self.swap_space})")
+
+    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise ConfigError(
+                    f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
+                    f"({max_model_len}) with chunked prefill off, so long prompts could never be scheduled; "
+                    f"raise it, lower --max-model-len, or --enable-chunked-prefill")
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
+class ModelConfig:
+    """Architecture facts the engine needs, read from config.json or GGUF metadata."""
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # e.g. llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    sliding_window: int | None = None  # Mistral
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = "model"
+
+    def kv_bytes_per_token(self, element_bytes: float) -> float:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_bytes

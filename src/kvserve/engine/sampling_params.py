@@ -1,0 +1,72 @@
+"""Per-request sampling settings, with vLLM's field names and validation messages."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A user-supplied sampling setting is invalid; the message names the field and the limit."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, max_logprobs: int = 20, max_n: int = 128) -> None:
+        def bad(name: str, why: str) -> SamplingParamsError:
+            return SamplingParamsError(f"{name} {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.n > max_n:
+            raise bad("n", f"must be <= {max_n}, got {self.n}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise bad("logprobs", f"must be in [0, {max_logprobs}], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be a list of non-empty strings")
