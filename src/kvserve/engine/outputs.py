@@ -1,0 +1,92 @@
+"""What the engine returns: per-request outputs and an engine-wide stats snapshot."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the field and the limit."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class LogprobEntry:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+    stop_reason: int | str | None = None
+    logprobs: list[LogprobEntry] | None = None
+    delta_logprobs: list[LogprobEntry] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+    @property
+    def ttft(self) -> float | None:
+        return self.metrics.time_to_first_token
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    num_blocks_used: int = 0
+    num_blocks_cached: int = 0
+    kv_usage: float = 0.0
+    cached_usage: float = 0.0
+    token_occupancy: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    resume_prefix_cache_queries: int = 0
+    resume_prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_cached_block_evictions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    host_tier_usage: float = 0.0
+    tier_hits: dict[str, int] = field(default_factory=dict)

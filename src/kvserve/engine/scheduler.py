@@ -1,0 +1,229 @@
+"""Scheduler: iteration-level continuous batching with chunked prefill and preemption.
+
+Each step spends a token budget (`max_num_batched_tokens`) first on running requests — a decode
+costs one token, an unfinished prefill its next chunk — then admits waiting requests in policy
+order. When the KV pool runs out of blocks, running requests are preempted (all blocks freed,
+requeued at the front, resumed by prefill, which hits the prefix cache for whatever survived).
+Victim: the lowest priority first, then the one that loses the least computed work.
+
+No tensors here: the same class drives the real model runner, the cost-model simulator and the
+property-based tests.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest,
+                                             SchedulerOutput)
+from kvserve.kv.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+    cache_aware: bool = False  # admit the longest cached prefix first among waiting requests
+    cache_aware_window: int = 128  # how many waiting requests the cache-aware pass looks at
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # since the last schedule(), for the runner
+        self.num_preemptions = 0
+
+    # -- queue management -----------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Remove a request (abort, or a stop found by the detokenizer) and free its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.forget(req)
+        self._finished_ids.append(request_id)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- the step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = cfg.max_num_batched_tokens
+
+        if cfg.policy == "priority":
+            self._preempt_for_priority(out)
+        # Preemptions for a more urgent waiting request still let it in this step; preemptions
+        # for lack of room among running requests mean there is no room to admit anyone.
+        num_priority_preemptions = len(out.preempted_req_ids)
+        # Victims are taken from the end, which is scheduled last.
+        self.running.sort(key=self._keep_order)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            out.scheduled.append(self._entry(req, n))
+            budget -= n
+            i += 1
+
+        if len(out.preempted_req_ids) == num_priority_preemptions:
+            budget = self._admit_waiting(out, budget)
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        cfg = self.config
+        for req in self._waiting_in_policy_order():
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            if req.parent_id is not None and not self._parent_prompt_cached(req):
+                continue  # n > 1: wait for the first sequence's prompt to reach the cache
+            hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - hit.num_tokens
+            if n > budget and not cfg.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate_slots(req, n, hit):
+                break
+            self.waiting.remove(req)
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._entry(req, n))
+            budget -= n
+        return budget
+
+    def _waiting_in_policy_order(self) -> list[Request]:
+        cfg = self.config
+        if cfg.policy == "priority":
+            order = sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            order = list(self.waiting)
+        if cfg.cache_aware and len(order) > 1 and self.kv.enable_caching:
+            window = order[:cfg.cache_aware_window]
+            hits = {r.request_id: self.kv.get_computed_blocks(r).num_tokens for r in window}
+            # Stable: among equal hits (and for priority, equal priority) arrival order stands.
+            key = (lambda r: (r.priority, -hits[r.request_id])) if cfg.policy == "priority" \
+                else (lambda r: -hits[r.request_id])
+            order = sorted(window, key=key) + order[cfg.cache_aware_window:]
+        return order
+
+    def _parent_prompt_cached(self, req: Request) -> bool:
+        parent = self.requests.get(req.parent_id)
+        return parent is None or parent.num_computed_tokens >= parent.num_prompt_tokens
+
+    @staticmethod
+    def _keep_order(req: Request) -> tuple:
+        # Most worth keeping first: highest priority, then most computed work, then oldest.
+        return (req.priority, -req.num_computed_tokens, req.arrival_time)
+
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(request=req, start_pos=req.num_computed_tokens, num_new_tokens=n,
+                                block_table=self.kv.block_table(req),
+                                sample=req.num_computed_tokens + n == req.num_tokens)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        num_blocks = len(self.kv.req_blocks.get(req.request_id, ()))
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.append(req.request_id)
+        logger.debug("preempted request %s (recompute), freed %d blocks", req.request_id, num_blocks)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Make room for the most urgent waiting request by preempting strictly less urgent
+        running ones, while that is what stands in its way."""
+        if not self.waiting or not self.running:
+            return
+        head = min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        hit = self.kv.get_computed_blocks(head)
+        chunk = min(head.num_tokens - hit.num_tokens, self.config.max_num_batched_tokens)
+        while self.running and not self.kv.can_allocate(head, chunk, hit):
+            worst = max(self.running, key=lambda r: (r.priority, -r.num_computed_tokens))
+            if worst.priority <= head.priority:
+                return
+            self.running.remove(worst)
+            self._preempt(worst, out)
+            hit = self.kv.get_computed_blocks(head)
+
+    # -- after the step -------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply token-level stop rules.
+        Returns the requests that got a new token (finished ones included)."""
+        touched: list[Request] = []
+        for entry in sched.scheduled:
+            req = entry.request
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += entry.num_new_tokens
+            self.kv.commit(req)
+            if not entry.sample:
+                continue
+            tok = result.sampled[req.request_id]
+            req.append_output_token(tok.token_id)
+            touched.append(req)
+            status = self._check_stop(req, tok.token_id)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return touched
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        p = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token_id in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in p.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

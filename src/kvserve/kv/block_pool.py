@@ -1,0 +1,150 @@
+"""BlockPool: the fixed set of KV blocks, their reference counts and the prefix-cache index.
+
+A block is in exactly one of three states:
+  used    ref_cnt > 0: in some request's block table;
+  cached  ref_cnt == 0 but holding K/V the prefix cache can still serve (it sits in the free queue);
+  free    ref_cnt == 0 and empty.
+The free queue holds both cached and free blocks, oldest first. Empty blocks go to the front so they
+are handed out before any cached content is given up; a block whose last user leaves goes to the
+back, so the least recently used cached block is evicted first.
+
+Index: full blocks by chain hash (`cached`), and every block holding tokens by the hash of the
+prefix it extends (`children`). The second index is what lets a new request reuse the first
+tokens of a *partial* block, or of a full block it only shares in part.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    # Chain hash of the prefix this block extends (root hash for a request's first block);
+    # None while the block holds no committed tokens.
+    parent_hash: bytes | None = None
+    # Token ids whose K/V are written in this block (only tracked with prefix caching on).
+    token_ids: list[int] = field(default_factory=list)
+    # Set when the block is full and registered in the prefix-cache index.
+    block_hash: bytes | None = None
+    num_filled: int = 0  # slots holding K/V (tracked with and without prefix caching)
+
+    @property
+    def has_content(self) -> bool:
+        return self.parent_hash is not None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int,
+                 on_evict: Callable[[Block], None] | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.children: dict[bytes, dict[int, Block]] = {}
+        self.num_cached_free = 0  # blocks with ref 0 that still hold content
+        self.num_evictions = 0
+        self.on_evict = on_evict  # called before a cached block's content is dropped (offload tiers)
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (empty ones plus evictable cached ones)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self) -> Block:
+        if not self.free_queue:
+            raise RuntimeError("BlockPool.allocate: no free block (caller must check num_free_blocks)")
+        _, block = self.free_queue.popitem(last=False)
+        if block.has_content:
+            self.num_cached_free -= 1
+            self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block)
+            self._drop_content(block)
+        block.ref_cnt = 1
+        block.num_filled = 0
+        return block
+
+    def touch(self, block: Block) -> None:
+        """Take a reference on a block found in the prefix cache."""
+        if block.ref_cnt == 0:
+            del self.free_queue[block.block_id]
+            if block.has_content:
+                self.num_cached_free -= 1
+        block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference on each block. Callers pass a request's blocks tail first, so that
+        its least shareable blocks are evicted before its prefix."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.has_content:
+                    self.free_queue[block.block_id] = block
+                    self.num_cached_free += 1
+                else:
+                    self.free_queue[block.block_id] = block
+                    self.free_queue.move_to_end(block.block_id, last=False)
+
+    # -- prefix-cache index ---------------------------------------------------------------------
+    def record_tokens(self, block: Block, parent_hash: bytes, token_ids: list[int]) -> None:
+        """Note the committed tokens of a block (it extends the prefix `parent_hash`)."""
+        if block.parent_hash is None:
+            block.parent_hash = parent_hash
+            self.children.setdefault(parent_hash, {})[block.block_id] = block
+        block.token_ids = token_ids
+
+    def cache_full_block(self, block: Block, block_hash: bytes) -> None:
+        existing = self.cached.get(block_hash)
+        if existing is None:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+        elif existing is not block:
+            # Computed twice concurrently: keep the first copy in the index; this one is just
+            # private memory of its request and leaves the partial index too.
+            self._drop_content(block)
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def candidates(self, parent_hash: bytes) -> Iterable[Block]:
+        return self.children.get(parent_hash, {}).values()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block not in use. False (and nothing dropped) if any block is used."""
+        if self.num_used_blocks > 0:
+            return False
+        for block in self.blocks:
+            if block.has_content:
+                self._drop_content(block)
+        self.num_cached_free = 0
+        # Restore the plain id order so a reset pool behaves like a new one.
+        self.free_queue = OrderedDict((b.block_id, b) for b in self.blocks)
+        return True
+
+    def _drop_content(self, block: Block) -> None:
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        if block.parent_hash is not None:
+            siblings = self.children.get(block.parent_hash)
+            if siblings is not None:
+                siblings.pop(block.block_id, None)
+                if not siblings:
+                    del self.children[block.parent_hash]
+        block.block_hash = None
+        block.parent_hash = None
+        block.token_ids = []

@@ -1,0 +1,261 @@
+"""KVCacheManager: block tables, prefix-cache lookups and allocation for requests.
+
+Works on token ids and block ids only; the model runner owns the tensors. Protocol per request:
+  hit = get_computed_blocks(req)          # on admission: longest cached prefix (may be empty)
+  allocate_slots(req, n, hit) -> bool     # reserve blocks for n more tokens (False: no room)
+  ... model runner writes the K/V ...
+  commit(req)                             # after the step: record tokens, cache full blocks
+  free(req)                               # finished, aborted or preempted
+A prefix hit is full cached blocks (shared by reference) plus, optionally, the first tokens of one
+more block copied into a fresh block of the request's own (copy-on-write), so a prefix that ends
+mid-block loses nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler_output import BlockCopy
+from kvserve.kv.block_pool import Block, BlockPool
+from kvserve.kv.hashing import extend_block_hashes, root_hash
+
+
+class PrefixHit(NamedTuple):
+    blocks: list[Block]  # full cached blocks, in order
+    num_tokens: int  # tokens served: len(blocks) * block_size + partial_tokens
+    partial_src: Block | None = None  # block whose first `partial_tokens` slots are copied
+    partial_tokens: int = 0
+
+
+EMPTY_HIT = PrefixHit([], 0)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Token counters, cumulative; new requests and preemption resumes apart."""
+    queries: int = 0
+    hits: int = 0
+    resume_queries: int = 0
+    resume_hits: int = 0
+    partial_hit_tokens: int = 0  # part of `hits`/`resume_hits` served by copy-on-write
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 kv_cache_dtype: str = "auto",
+                 on_evict: Callable[[Block], None] | None = None) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.kv_cache_dtype = kv_cache_dtype
+        self.pool = BlockPool(num_blocks, block_size, on_evict=on_evict)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self._roots: dict[str, bytes] = {}
+        self._committed: dict[str, int] = {}  # tokens recorded into blocks, per request
+        self._copies: list[BlockCopy] = []
+        self.stats = PrefixCacheStats()
+
+    # -- lookup -------------------------------------------------------------------------------
+    def _root(self, req: Request) -> bytes:
+        root = self._roots.get(req.request_id)
+        if root is None:
+            root = root_hash(self.kv_cache_dtype, req.cache_salt, req.lora_id)
+            self._roots[req.request_id] = root
+        return root
+
+    def get_computed_blocks(self, req: Request) -> PrefixHit:
+        """Longest cached prefix of `req`, leaving at least its last token to compute."""
+        if not self.enable_caching or self.req_blocks.get(req.request_id):
+            return EMPTY_HIT
+        bs = self.block_size
+        tokens = req.all_token_ids
+        max_hit = req.num_tokens - 1  # the last token is always computed: its logits are needed
+        root = self._root(req)
+        hashes = extend_block_hashes(req.block_hashes, root, tokens, bs)
+        blocks: list[Block] = []
+        for i in range(max_hit // bs):
+            block = self.pool.lookup(hashes[i])
+            # Token check: SHA-256 makes a mismatch impossible in practice; this makes it impossible.
+            if block is None or block.token_ids != tokens[i * bs:(i + 1) * bs]:
+                break
+            blocks.append(block)
+        matched = len(blocks) * bs
+        want = tokens[matched:min(matched + bs, max_hit)]
+        best, best_len = None, 0
+        if want:
+            parent = hashes[len(blocks) - 1] if blocks else root
+            for cand in self.pool.candidates(parent):
+                n = _common_prefix_len(cand.token_ids, want)
+                if n > best_len:
+                    best, best_len = cand, n
+        return PrefixHit(blocks, matched + best_len, best, best_len)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def num_blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit = EMPTY_HIT) -> int:
+        """Blocks that must leave the free queue to admit `num_new_tokens` more tokens."""
+        held = self.req_blocks.get(req.request_id, ())
+        computed = hit.num_tokens if not held else req.num_computed_tokens
+        total = -(-(computed + num_new_tokens) // self.block_size)
+        reused_free = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        return max(0, total - len(held) - len(hit.blocks)) + reused_free
+
+    def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = EMPTY_HIT) -> bool:
+        return self.num_blocks_needed(req, num_new_tokens, hit) <= self.pool.num_free_blocks
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = EMPTY_HIT) -> bool:
+        """Reserve room for `num_new_tokens` tokens after the computed ones. On a new request
+        `hit` (from get_computed_blocks) is taken. Returns False, changing nothing, if the pool
+        has no room."""
+        if not self.can_allocate(req, num_new_tokens, hit):
+            return False
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if not blocks and (hit.blocks or hit.partial_src is not None):
+            for b in hit.blocks:
+                self.pool.touch(b)
+            blocks.extend(hit.blocks)
+            self._committed[req.request_id] = len(hit.blocks) * self.block_size
+            if hit.partial_src is not None:
+                # The copy runs before this step's forward; the source cannot be overwritten before
+                # then even if it is evicted below, since K/V is only written during the forward.
+                dst = self.pool.allocate()
+                self._copies.append(BlockCopy(hit.partial_src.block_id, dst.block_id, hit.partial_tokens))
+                blocks.append(dst)
+            computed = hit.num_tokens
+            self._count_hit(req, hit)
+        else:
+            if not blocks:
+                self._count_hit(req, EMPTY_HIT)
+            computed = req.num_computed_tokens
+        total = -(-(computed + num_new_tokens) // self.block_size)
+        while len(blocks) < total:
+            blocks.append(self.pool.allocate())
+        return True
+
+    def _count_hit(self, req: Request, hit: PrefixHit) -> None:
+        if not self.enable_caching:
+            return
+        s = self.stats
+        if req.num_preemptions > 0:
+            s.resume_queries += req.num_tokens
+            s.resume_hits += hit.num_tokens
+        else:
+            s.queries += req.num_tokens
+            s.hits += hit.num_tokens
+        s.partial_hit_tokens += hit.partial_tokens
+
+    def take_copies(self) -> list[BlockCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    # -- after a step ---------------------------------------------------------------------------
+    def commit(self, req: Request) -> None:
+        """Record the tokens whose K/V the last step wrote (req.num_computed_tokens is current)."""
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        bs = self.block_size
+        start = self._committed.get(req.request_id, 0)
+        end = req.num_computed_tokens
+        if end <= start:
+            return
+        if not self.enable_caching:
+            for i in range(start // bs, (end - 1) // bs + 1):
+                blocks[i].num_filled = min(bs, end - i * bs)
+            self._committed[req.request_id] = end
+            return
+        tokens = req.all_token_ids
+        root = self._root(req)
+        hashes = extend_block_hashes(req.block_hashes, root, tokens[:end], bs)
+        for i in range(start // bs, (end - 1) // bs + 1):
+            block = blocks[i]
+            lo, hi = i * bs, min((i + 1) * bs, end)
+            block.num_filled = hi - lo
+            if block.block_hash is not None:
+                continue  # a shared cached block: already complete
+            self.pool.record_tokens(block, hashes[i - 1] if i else root, tokens[lo:hi])
+            if hi - lo == bs:
+                self.pool.cache_full_block(block, hashes[i])
+        self._committed[req.request_id] = end
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self._committed.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def forget(self, req: Request) -> None:
+        """The request has left the engine for good."""
+        self.free(req)
+        self._roots.pop(req.request_id, None)
+
+    def block_table(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # -- observability --------------------------------------------------------------------------
+    def usage(self) -> "KVUsage":
+        pool = self.pool
+        used = pool.num_used_blocks
+        seen: set[int] = set()
+        filled = 0
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                if b.block_id not in seen:
+                    seen.add(b.block_id)
+                    filled += b.num_filled
+        return KVUsage(
+            num_blocks=pool.num_blocks, num_used=used, num_cached=pool.num_cached_free,
+            num_free=pool.num_free_blocks - pool.num_cached_free,
+            token_occupancy=filled / (used * self.block_size) if used else 0.0,
+            num_evictions=pool.num_evictions)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if block accounting is inconsistent (tests call this every step)."""
+        pool = self.pool
+        owners: dict[int, int] = {}
+        for rid, blocks in self.req_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert len(ids) == len(set(ids)), f"request {rid} holds a block twice: {ids}"
+            for b in blocks:
+                owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        num_cached = 0
+        for b in pool.blocks:
+            assert b.ref_cnt >= 0, f"block {b.block_id} has negative ref_cnt {b.ref_cnt}"
+            assert b.ref_cnt == owners.get(b.block_id, 0), (
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} but {owners.get(b.block_id, 0)} owners")
+            in_queue = b.block_id in pool.free_queue
+            assert in_queue == (b.ref_cnt == 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}, in free queue {in_queue}"
+            if b.ref_cnt > 1:
+                assert b.block_hash is not None, f"block {b.block_id} shared by {b.ref_cnt} but not an immutable full block"
+            if b.ref_cnt == 0 and b.has_content:
+                num_cached += 1
+            if b.block_hash is not None:
+                assert pool.cached.get(b.block_hash) is b, f"block {b.block_id} hash not indexed"
+                assert len(b.token_ids) == self.block_size
+            if b.has_content:
+                assert pool.children.get(b.parent_hash, {}).get(b.block_id) is b
+        assert num_cached == pool.num_cached_free, f"cached count {pool.num_cached_free} != {num_cached}"
+        for h, b in pool.cached.items():
+            assert b.block_hash == h
+        used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+        free = pool.num_free_blocks - num_cached
+        assert free + used + num_cached == pool.num_blocks, (free, used, num_cached, pool.num_blocks)
+
+
+class KVUsage(NamedTuple):
+    num_blocks: int
+    num_used: int  # ref > 0
+    num_cached: int  # ref == 0 with reusable prefix-cache content
+    num_free: int  # ref == 0, empty
+    token_occupancy: float  # slots holding K/V / slots of used blocks
+    num_evictions: int
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
