@@ -62,6 +62,10 @@ class IncrementalDetokenizer:
         self.stop_reason = s
         return True
 
+    @property
+    def emitted_text(self) -> str:
+        return self.text[:self._emitted]
+
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out; while unfinished, the tail that could begin a stop string stays."""
         end = len(self.text) if finished else max(self._emitted, len(self.text) - self._holdback)

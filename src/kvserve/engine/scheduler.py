@@ -66,6 +66,15 @@ class Scheduler:
         self._finished_ids.append(request_id)
         return req
 
+    def preempt_request(self, request_id: str) -> bool:
+        """Preempt a running request now (operators and tests); False if it is not running."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return False
+        self.running.remove(req)
+        self._preempt(req, None)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -164,7 +173,7 @@ class Scheduler:
                                 block_table=self.kv.block_table(req),
                                 sample=req.num_computed_tokens + n == req.num_tokens)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput | None) -> None:
         num_blocks = len(self.kv.req_blocks.get(req.request_id, ()))
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -172,7 +181,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted_req_ids.append(req.request_id)
+        if out is not None:
+            out.preempted_req_ids.append(req.request_id)
         logger.debug("preempted request %s (recompute), freed %d blocks", req.request_id, num_blocks)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:

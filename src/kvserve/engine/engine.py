@@ -1,0 +1,258 @@
+"""LLMEngine: requests in, token outputs out, one `step()` at a time.
+
+    step = scheduler.schedule() -> model_runner.execute() -> scheduler.update_from_output()
+           -> detokenize, stop strings -> RequestOutputs
+
+n > 1 is served as n requests ("<id>#<i>"): the first computes the prompt, the others wait until
+it is in the prefix cache and then share its blocks by reference (the partial last block by
+copy-on-write). Sequence i of a seeded request samples with seed + i, so it equals an n=1 run
+with that seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from kvserve.config import EngineArgs
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.outputs import (CompletionOutput, EngineStats, LogprobEntry, RequestError,
+                                    RequestMetrics, RequestOutput)
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.setup import EngineSetup, build_engine_parts
+from kvserve.kv.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMEngine", "RequestError", "RequestOutput", "CompletionOutput", "EngineStats"]
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n output sequences."""
+    req: Request
+    index: int
+    detok: IncrementalDetokenizer
+    logprobs: list[LogprobEntry] | None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[LogprobEntry] = field(default_factory=list)
+    reported_finish: bool = False
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence]
+    arrival_time: float
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, setup: EngineSetup | None = None) -> None:
+        args.validate()
+        self.args = args
+        setup = setup or build_engine_parts(args)
+        self.setup = setup
+        self.model_config = setup.model_config
+        self.tokenizer = setup.tokenizer
+        self.runner = setup.runner
+        self.max_model_len = setup.max_model_len
+        self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
+                                 args.kv_cache_dtype)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.resolved_max_num_batched_tokens(self.max_model_len),
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+            cache_aware=args.cache_aware_scheduling), self.kv)
+        self._groups: dict[str, _Group] = {}
+        self._seq_of: dict[str, _Sequence] = {}
+        self._group_of: dict[str, _Group] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    *, priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        try:
+            params.validate(max_logprobs=self.args.max_logprobs)
+        except SamplingParamsError as e:
+            raise RequestError(str(e), str(e).split()[0]) from None
+        prompt_text, prompt_ids = self._tokenize_prompt(prompt)
+        params = self._resolve_max_tokens(params, len(prompt_ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        seqs: list[_Sequence] = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            p = dataclasses.replace(params, n=1, seed=seed)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, prompt_ids, p, eos_token_ids=eos, arrival_time=arrival,
+                          priority=priority, cache_salt=cache_salt,
+                          parent_id=None if i == 0 or not self.args.enable_prefix_caching
+                          else f"{request_id}#0")
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
+                                           p.include_stop_str_in_output)
+            seqs.append(_Sequence(req, i, detok, [] if p.logprobs is not None else None))
+        group = _Group(request_id, prompt_text, prompt_ids, seqs, arrival)
+        self._groups[request_id] = group
+        for s in seqs:
+            self._seq_of[s.req.request_id] = s
+            self._group_of[s.req.request_id] = group
+            self.scheduler.add_request(s.req)
+        self.prompt_tokens_total += len(prompt_ids)
+
+    def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty; send at least one token", "prompt")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids = list(prompt)
+            text = None
+            if not ids:
+                raise RequestError("prompt is empty; send at least one token", "prompt")
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
+        if not ids:
+            raise RequestError("prompt tokenizes to zero tokens; send a non-empty prompt", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {len(ids)} tokens, which leaves no room for output; shorten the prompt "
+                f"or raise --max-model-len", "prompt")
+        return text, ids
+
+    def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is None:
+            return dataclasses.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{params.max_tokens} for the completion); reduce max_tokens to at most {room}",
+                "max_tokens")
+        return params
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for s in group.seqs:
+                self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
+                self._seq_of.pop(s.req.request_id, None)
+                self._group_of.pop(s.req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for entry in sched.scheduled:
+            if entry.request.first_scheduled_time is None:
+                entry.request.first_scheduled_time = now
+        if sched.is_empty and not sched.finished_req_ids:
+            return []
+        result = self.runner.execute(sched)  # an empty step still drops finished requests' state
+        touched = self.scheduler.update_from_output(sched, result)
+        if self.args.check_integrity:
+            self.kv.check_integrity()
+        now = time.monotonic()
+        groups: dict[str, _Group] = {}
+        for req in touched:
+            seq = self._seq_of[req.request_id]
+            tok = result.sampled[req.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            self.generation_tokens_total += 1
+            seq.new_token_ids.append(tok.token_id)
+            if seq.logprobs is not None:
+                entry = LogprobEntry(tok.token_id, tok.logprob, dict(tok.top_logprobs or {}))
+                seq.logprobs.append(entry)
+                seq.new_logprobs.append(entry)
+            if seq.detok.add_token(tok.token_id):
+                req.stop_reason = seq.detok.stop_reason
+                if req.is_finished:  # the same token also hit a length limit: the stop string wins
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                req.finished_time = now
+            groups[seq.req.request_id] = self._group_of[req.request_id]
+        return [self._make_output(g) for g in {id(g): g for g in groups.values()}.values()]
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outputs = []
+        for s in group.seqs:
+            r = s.req
+            finished = r.is_finished
+            delta = s.detok.take_delta(finished)
+            outputs.append(CompletionOutput(
+                index=s.index, text=s.detok.emitted_text, token_ids=list(r.output_token_ids),
+                delta_text=delta, delta_token_ids=s.new_token_ids,
+                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason, logprobs=s.logprobs,
+                delta_logprobs=s.new_logprobs if s.logprobs is not None else None))
+            s.new_token_ids = []
+            s.new_logprobs = []
+        first = group.seqs[0].req
+        done = all(s.req.is_finished for s in group.seqs)
+        metrics = RequestMetrics(
+            arrival_time=group.arrival_time,
+            first_scheduled_time=min((s.req.first_scheduled_time for s in group.seqs
+                                      if s.req.first_scheduled_time is not None), default=None),
+            first_token_time=min((s.req.first_token_time for s in group.seqs
+                                  if s.req.first_token_time is not None), default=None),
+            last_token_time=max((s.req.last_token_time for s in group.seqs
+                                 if s.req.last_token_time is not None), default=None),
+            finished_time=time.monotonic() if done else None,
+            num_cached_tokens=max(first.num_cached_tokens, 0))
+        if done:
+            self._groups.pop(group.request_id, None)
+            for s in group.seqs:
+                self._seq_of.pop(s.req.request_id, None)
+                self._group_of.pop(s.req.request_id, None)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, done,
+                             metrics.num_cached_tokens, metrics)
+
+    # -- observability ----------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        u = self.kv.usage()
+        s = self.kv.stats
+        total = max(u.num_blocks, 1)
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_blocks_total=u.num_blocks, num_blocks_free=u.num_free, num_blocks_used=u.num_used,
+            num_blocks_cached=u.num_cached, kv_usage=u.num_used / total, cached_usage=u.num_cached / total,
+            token_occupancy=u.token_occupancy, prefix_cache_queries=s.queries, prefix_cache_hits=s.hits,
+            resume_prefix_cache_queries=s.resume_queries, resume_prefix_cache_hits=s.resume_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_cached_block_evictions=u.num_evictions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            tier_hits={"device": s.hits + s.resume_hits})

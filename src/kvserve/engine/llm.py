@@ -1,0 +1,88 @@
+"""Offline API, as vLLM's:
+
+    from kvserve import LLM, SamplingParams
+    llm = LLM()                                   # embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    outs = llm.chat([{"role": "user", "content": "Hi"}])
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from kvserve.config import EngineArgs
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        unknown = set(engine_kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {sorted(unknown)}; "
+                            f"valid ones are the fields of kvserve.EngineArgs")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Prompts as strings or token-id lists; results in the order given."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
+            else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+            add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(done) < len(ids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("engine stopped with requests unfinished")
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]

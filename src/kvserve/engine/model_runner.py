@@ -1,0 +1,73 @@
+"""ModelRunner: one SchedulerOutput -> forward over the paged KV cache -> sample -> ModelRunnerOutput.
+
+Owns the model, the KV cache tensors and the sampler; knows nothing of scheduling policy. The
+scheduler decides which tokens run and which blocks hold them; the runner only turns that into
+tensors (vectorised: numpy over the step's sequences, never a Python loop per token).
+"""
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.model.attention.base import AttentionMetadata, build_attention_metadata
+from kvserve.model.kv_cache import create_kv_cache
+from kvserve.model.llama import LlamaModel
+from kvserve.model.sampler import Sampler, SamplingRow
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *,
+                 dtype: torch.dtype, device: torch.device | str, block_size: int, num_blocks: int,
+                 kv_cache_dtype: str = "auto", seed: int = 0) -> None:
+        self.model_config = model_config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model = LlamaModel(model_config, weights, dtype, self.device)
+        self.kv_cache = create_kv_cache(model_config, num_blocks=num_blocks, block_size=block_size,
+                                        kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=self.device)
+        self.bytes_per_block: int = self.kv_cache.bytes_per_block(model_config, block_size,
+                                                                  kv_cache_dtype, dtype)
+        self.sampler = Sampler(seed, self.device)
+
+    def build_metadata(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Flattened input ids and the step's attention metadata."""
+        sched = out.scheduled
+        meta = build_attention_metadata([s.start_pos for s in sched], [s.num_new_tokens for s in sched],
+                                        [s.block_table for s in sched], self.block_size, self.device)
+        if meta.block_tables.numel() and int(meta.block_tables.max()) >= self.num_blocks:
+            raise ValueError(f"a block table names block {int(meta.block_tables.max())}, but the KV "
+                             f"cache has only {self.num_blocks} blocks")
+        ids = np.fromiter(chain.from_iterable(s.token_ids for s in sched), dtype=np.int64)
+        if ids.size != meta.num_tokens:
+            bad = next(s for s in sched if len(s.token_ids) != s.num_new_tokens)
+            raise ValueError(f"request {bad.request.request_id}: scheduled tokens "
+                             f"[{bad.start_pos}, {bad.start_pos + bad.num_new_tokens}) but it has only "
+                             f"{bad.request.num_tokens} tokens")
+        return torch.from_numpy(ids).to(self.device), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if out.block_copies:
+            self.kv_cache.copy_blocks(out.block_copies)
+        if out.finished_req_ids:
+            self.sampler.forget(out.finished_req_ids)
+        if out.is_empty:
+            return ModelRunnerOutput()
+        input_ids, meta = self.build_metadata(out)
+        hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
+
+        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
+        if not sampling:
+            return ModelRunnerOutput()
+        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[last_rows])
+        rows = [SamplingRow(s.request.request_id, s.request.sampling_params, s.request.prompt_token_ids,
+                            s.request.output_token_ids, s.request.eos_token_ids) for _, s in sampling]
+        tokens = self.sampler(logits, rows)
+        return ModelRunnerOutput(sampled={r.request_id: t for r, t in zip(rows, tokens)})

@@ -1,0 +1,119 @@
+"""Engine start-up: load the model, size the KV pool, check max_model_len fits, build the runner."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineArgs, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVBudget:
+    num_blocks: int
+    bytes_per_block: int
+    kv_cache_memory: int  # bytes given to the pool
+    max_model_len: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.num_tokens / self.max_model_len
+
+
+@dataclass
+class EngineSetup:
+    model_config: ModelConfig
+    tokenizer: object
+    runner: object  # kvserve.engine.model_runner.ModelRunner
+    budget: KVBudget
+
+    @property
+    def num_blocks(self) -> int:
+        return self.budget.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.budget.max_model_len
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    return torch.device(device)
+
+
+def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: int,
+                 device: torch.device, gpu_budget_bytes: int | None = None) -> KVBudget:
+    """How many blocks the budget buys, and a clear error if max_model_len cannot fit."""
+    max_model_len = args.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
+                       max_model_len, model_config.max_position_embeddings)
+    if args.num_gpu_blocks_override is not None:
+        memory = args.num_gpu_blocks_override * bytes_per_block
+        num_blocks = args.num_gpu_blocks_override
+    else:
+        if device.type == "cuda" and args.kv_cache_memory is None:
+            memory = gpu_budget_bytes or 0
+            budget_flag = "--gpu-memory-utilization"
+        else:
+            memory = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+            budget_flag = "--kv-cache-memory"
+        num_blocks = memory // bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"No memory left for the KV cache: one block takes {bytes_per_block} bytes but the "
+                f"budget is {memory} bytes; raise {budget_flag}")
+    fits = num_blocks * args.block_size
+    if max_model_len > fits:
+        raise ConfigError(
+            f"The model's max seq len ({max_model_len}) is larger than the maximum number of tokens "
+            f"that can be stored in KV cache ({fits}). Raise --kv-cache-memory (or "
+            f"--gpu-memory-utilization on CUDA), use a smaller --kv-cache-dtype, or decrease "
+            f"--max-model-len to at most {fits}.")
+    return KVBudget(num_blocks, bytes_per_block, memory, max_model_len, args.block_size)
+
+
+def build_engine_parts(args: EngineArgs) -> EngineSetup:
+    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.model.kv_cache import kv_cache_bytes_per_block
+    from kvserve.model.loader import load_model, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device.type)
+    loaded = load_model(args.model, dtype=dtype)
+    cfg = loaded.config
+    bpb = kv_cache_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype, dtype)
+    gpu_budget = None
+    if device.type == "cuda" and args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
+        gpu_budget = _cuda_kv_budget(args, loaded.weights)
+    budget = size_kv_pool(args, cfg, bpb, device, gpu_budget)
+    runner = ModelRunner(cfg, loaded.weights, dtype=dtype, device=device, block_size=args.block_size,
+                         num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
+                "maximum concurrency for %d tokens per request: %.2fx",
+                budget.num_blocks, args.block_size, budget.num_tokens,
+                budget.num_blocks * bpb / 2**20, bpb, args.kv_cache_dtype, budget.max_model_len,
+                budget.max_concurrency)
+    return EngineSetup(cfg, loaded.tokenizer, runner, budget)
+
+
+def _cuda_kv_budget(args: EngineArgs, weights: dict) -> int:
+    """vLLM's rule: total * utilization - (weights + peak activations). Activations are estimated
+    from a max_num_batched_tokens forward's workspace; profile conservatively."""
+    free, total = torch.cuda.mem_get_info()
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    used_by_others = total - free
+    # Peak activation allowance: logits for max_num_seqs rows plus a 10% safety margin on weights.
+    activation_reserve = int(0.1 * weight_bytes) + 512 * 2**20
+    return int(total * args.gpu_memory_utilization) - used_by_others - weight_bytes - activation_reserve
