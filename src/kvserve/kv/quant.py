@@ -1,0 +1,206 @@
+"""KV quantizers: fp8 (e4m3 / e5m2) with scales, and KIVI-style asymmetric int8 / int4 groups.
+
+Pure torch, no cache layout here: the paged cache (kvserve.model.kv_cache_quant) decides which
+axis a group runs along (KIVI: keys per channel, i.e. groups along the token axis; values per
+token, i.e. groups along head_dim) and this module only quantizes along the axis it is given.
+
+Formats and the error each admits (the tests check exactly these bounds):
+  fp8_e4m3  3 mantissa bits: |x - x'| <= 2^-4 |x| for scaled values in the normal range
+            [2^-6, 448], <= 2^-10 * scale below it (half the subnormal step 2^-9).
+  fp8_e5m2  2 mantissa bits: <= 2^-3 |x| in [2^-14, 57344], <= 2^-17 * scale below.
+  int8/int4 asymmetric: x' = q * scale + zero, q in [0, 2^bits - 1]; |x - x'| <= scale / 2, where
+            scale = (max - min) / (2^bits - 1) of the group. Scale and zero are stored in float16
+            rounded *outward* (zero down, scale up) so the group's [min, max] always stays inside
+            the representable range and the scale/2 bound holds for the stored scale.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPES: dict[str, torch.dtype] = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+INT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
+QUANT_KINDS = (*FP8_DTYPES, *INT_BITS)
+FULL_PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# float16 keeps 11 significant bits: scale/zero rounding costs < 0.05 % of a step, and halves
+# the overhead of float32 metadata (KIVI stores them in fp16 too).
+GROUP_META_DTYPE = torch.float16
+GROUP_META_BYTES = 2
+FP8_SCALE_BYTES = 4  # fp8 scales are float32: a few per block, precision is free there
+
+
+class QuantError(ValueError):
+    """A quantization setting is invalid; the message names it and what to change."""
+
+
+def canonical_kind(kind: str) -> str:
+    """'fp8' is vLLM's alias of fp8_e4m3; everything else is taken as spelled."""
+    kind = "fp8_e4m3" if kind == "fp8" else kind
+    if kind not in QUANT_KINDS and kind not in FULL_PRECISION_BYTES:
+        raise QuantError(f"kv cache dtype {kind!r} is not supported; use one of "
+                         f"auto, fp8, {', '.join(QUANT_KINDS)}")
+    return kind
+
+
+# ----------------------------------------------------------------------------------------- fp8
+
+class Fp8Quantized(NamedTuple):
+    data: torch.Tensor  # float8 tensor, same shape as the input
+    scale: torch.Tensor  # float32, broadcastable against `data` (x ~= data * scale)
+
+
+def fp8_max(kind: str) -> float:
+    return float(torch.finfo(FP8_DTYPES[canonical_kind(kind)]).max)
+
+
+def fp8_dynamic_scale(x: torch.Tensor, kind: str, reduce_dims: tuple[int, ...]) -> torch.Tensor:
+    """Scale mapping the absolute maximum over `reduce_dims` onto the format's largest finite
+    value (the dims stay, with size 1, so the result broadcasts against `x`)."""
+    amax = x.detach().abs().float().amax(dim=reduce_dims, keepdim=True) if reduce_dims else x.abs().float()
+    # An all-zero group gets scale 1: any scale represents zeros exactly, and 0 would divide by 0.
+    return torch.where(amax > 0, amax / fp8_max(kind), torch.ones_like(amax))
+
+
+def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | float | None = None,
+                 reduce_dims: tuple[int, ...] | None = None) -> Fp8Quantized:
+    """x -> float8 with `scale` (static, e.g. a checkpoint's k_scale) or a dynamic one computed
+    over `reduce_dims` (default: all dims = one per-tensor scale)."""
+    kind = canonical_kind(kind)
+    if kind not in FP8_DTYPES:
+        raise QuantError(f"quantize_fp8 needs fp8_e4m3 or fp8_e5m2, got {kind!r}")
+    if scale is None:
+        dims = tuple(range(x.dim())) if reduce_dims is None else reduce_dims
+        scale_t = fp8_dynamic_scale(x, kind, dims)
+    else:
+        scale_t = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        if not bool((scale_t > 0).all()):
+            raise QuantError("fp8 scales must be > 0 (a checkpoint k_scale/v_scale of 0 or less is invalid)")
+    fmax = fp8_max(kind)
+    # Clamp before the cast: e4m3fn has no infinity, an out-of-range cast is NaN on some backends.
+    scaled = (x.float() / scale_t).clamp(-fmax, fmax)
+    return Fp8Quantized(scaled.to(FP8_DTYPES[kind]), scale_t)
+
+
+def dequantize_fp8(q: Fp8Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.data.float() * q.scale).to(dtype)
+
+
+# ------------------------------------------------------------------------- int8 / int4 groups
+
+class GroupQuantized(NamedTuple):
+    codes: torch.Tensor  # uint8; for int4 two codes per byte along the last dim (packed)
+    scale: torch.Tensor  # float16, the group axis reduced to n_groups (see quantize_groups)
+    zero: torch.Tensor  # float16, same shape as scale; x ~= code * scale + zero
+    bits: int
+    axis: int  # the axis the groups run along (non-negative)
+    group_size: int
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 15], last dim even -> half as many bytes (even index in the low nibble)."""
+    if codes.shape[-1] % 2:
+        raise QuantError(f"int4 packing needs an even last dimension (head_dim), got {codes.shape[-1]}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def _outward_meta(mn: torch.Tensor, mx: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 zero <= mn and scale with zero + qmax*scale >= mx, so no value of the group clips."""
+    zero = mn.to(GROUP_META_DTYPE)
+    lower = torch.nextafter(zero, torch.full_like(zero, float("-inf")))
+    zero = torch.where(zero.float() > mn, lower, zero)
+    need = (mx - zero.float()) / qmax
+    scale = need.to(GROUP_META_DTYPE)
+    higher = torch.nextafter(scale, torch.full_like(scale, float("inf")))
+    scale = torch.where(scale.float() < need, higher, scale)
+    return scale, zero
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int) -> GroupQuantized:
+    """Asymmetric min/max quantization of groups of `group_size` consecutive elements along
+    `axis`. scale/zero have x's shape with that axis divided by group_size."""
+    if bits not in (4, 8):
+        raise QuantError(f"group quantization supports 4 or 8 bits, got {bits}")
+    axis = axis % x.dim()
+    n = x.shape[axis]
+    if group_size < 1 or n % group_size:
+        raise QuantError(f"group size {group_size} must divide the quantized axis length {n}; "
+                         f"pick a group size that divides both block_size and head_dim")
+    if not bool(torch.isfinite(x).all()):
+        raise QuantError("cannot quantize non-finite KV values (the model produced inf/NaN)")
+    qmax = (1 << bits) - 1
+    xf = x.float()
+    grouped = xf.unflatten(axis, (n // group_size, group_size))
+    mn = grouped.amin(dim=axis + 1)
+    mx = grouped.amax(dim=axis + 1)
+    if float(mx.abs().max().clamp_min(mn.abs().max())) > 6.0e4:
+        raise QuantError("KV values exceed float16 range (|x| > 6e4); int KV quantization stores "
+                         "scales in float16 - use --kv-cache-dtype fp8_e5m2 or auto for this model")
+    scale, zero = _outward_meta(mn, mx, qmax)
+    s, z = scale.float().unsqueeze(axis + 1), zero.float().unsqueeze(axis + 1)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # constant group: every code is 0 (= zero)
+    codes = ((grouped - z) * inv).round_().clamp_(0, qmax).to(torch.uint8).flatten(axis, axis + 1)
+    if bits == 4:
+        codes = pack_int4(codes)
+    return GroupQuantized(codes, scale, zero, bits, axis, group_size)
+
+
+def dequantize_groups(q: GroupQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    codes = unpack_int4(q.codes) if q.bits == 4 else q.codes
+    n = codes.shape[q.axis]
+    grouped = codes.unflatten(q.axis, (n // q.group_size, q.group_size)).float()
+    x = grouped * q.scale.float().unsqueeze(q.axis + 1) + q.zero.float().unsqueeze(q.axis + 1)
+    return x.flatten(q.axis, q.axis + 1).to(dtype)
+
+
+# ------------------------------------------------------------------------------ byte accounting
+
+class KVGroupSizes(NamedTuple):
+    key_tokens: int  # keys: tokens per group (per channel, along the token axis of a block)
+    value_channels: int  # values: channels per group (per token, along head_dim)
+
+
+def effective_group_sizes(group_size: int, block_size: int, head_dim: int) -> KVGroupSizes:
+    """A key group cannot outgrow its block (the block is the unit that is written and freed),
+    nor a value group its head; the configured size is clipped to both and must divide them."""
+    k, v = min(group_size, block_size), min(group_size, head_dim)
+    if block_size % k or head_dim % v:
+        raise QuantError(f"--kv-quant-group-size {group_size} must divide block_size ({block_size}) "
+                         f"and head_dim ({head_dim}) or exceed them; try 16, 32 or 64")
+    return KVGroupSizes(k, v)
+
+
+def bytes_per_block_per_layer(kind: str, num_kv_heads: int, head_dim: int, block_size: int,
+                              group_size: int = 64, fp8_scale_granularity: str = "tensor") -> int:
+    """Exact bytes one block of one layer holds for K and V, scales and zero points included."""
+    kind = canonical_kind(kind)
+    elems = block_size * num_kv_heads * head_dim
+    if kind in FULL_PRECISION_BYTES:
+        return 2 * elems * FULL_PRECISION_BYTES[kind]
+    if kind in FP8_DTYPES:
+        scales_per_block = num_kv_heads if fp8_scale_granularity == "head" else 1
+        return 2 * (elems + scales_per_block * FP8_SCALE_BYTES)
+    bits = INT_BITS[kind]
+    if bits == 4 and head_dim % 2:
+        raise QuantError(f"int4 KV packs two values per byte along head_dim; head_dim {head_dim} is odd")
+    g = effective_group_sizes(group_size, block_size, head_dim)
+    codes = elems * bits // 8
+    key_meta = (block_size // g.key_tokens) * num_kv_heads * head_dim * 2 * GROUP_META_BYTES
+    value_meta = block_size * num_kv_heads * (head_dim // g.value_channels) * 2 * GROUP_META_BYTES
+    return 2 * codes + key_meta + value_meta
+
+
+def bytes_per_token_per_layer(kind: str, num_kv_heads: int, head_dim: int, block_size: int = 16,
+                              group_size: int = 64, fp8_scale_granularity: str = "tensor") -> float:
+    """K+V bytes per token per layer, with per-block metadata amortized over the block's tokens."""
+    return bytes_per_block_per_layer(kind, num_kv_heads, head_dim, block_size, group_size,
+                                     fp8_scale_granularity) / block_size

@@ -1,0 +1,299 @@
+"""Quantized KV: quantizer error bounds, paged round trips, attention accuracy, byte accounting.
+
+Every bound below is derived from the number format, not fitted to observed errors:
+- fp8 round-to-nearest keeps half an ulp: e4m3 (3 mantissa bits) |dx| <= 2^-4 |x| for scaled
+  values in the normal range, and half the smallest subnormal step (2^-9 / 2) times the scale
+  below it; e5m2 (2 mantissa bits) 2^-3 |x| and 2^-17 * scale.
+- asymmetric int min/max groups: the stored (float16, outward-rounded) scale covers the group, so
+  rounding to the nearest code errs by at most scale / 2.
+A slack of 1e-6 relative covers float32 arithmetic in the (de)quantize itself.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.config import ConfigError, ModelConfig
+from kvserve.engine.scheduler_output import BlockCopy
+from kvserve.kv import quant
+from kvserve.kv.hashing import extend_block_hashes, root_hash
+from kvserve.model.attention.base import build_attention_metadata
+from kvserve.model.attention.torch_backend import TorchAttentionBackend
+from kvserve.model.kv_cache import PagedKVCache, create_kv_cache, kv_cache_bytes_per_block
+from kvserve.model.kv_cache_quant import (Fp8PagedKVCache, IntPagedKVCache, KVScales,
+                                          QuantizedKVCache)
+
+FP8_BOUNDS = {"fp8_e4m3": (2.0 ** -4, 2.0 ** -10), "fp8_e5m2": (2.0 ** -3, 2.0 ** -17)}
+QUANT_DTYPES = ["fp8", "fp8_e5m2", "int8", "int4"]
+SMOL = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 8192)  # SmolLM2-135M shapes
+TINY = ModelConfig("llama", 100, 64, 128, 2, 4, 2, 16, 1024)
+
+
+def samples(seed: int, shape=(64, 4, 64), outliers: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if outliers:
+        # LLM keys have a few channels 10-100x larger than the rest (KIVI, KVQuant).
+        x[..., 3] *= 80.0
+        x.view(-1)[torch.randint(0, x.numel(), (20,), generator=g)] *= 50.0
+    return x
+
+
+def fp8_ok(x, y, kind, scale):
+    rel, sub = FP8_BOUNDS[kind]
+    bound = torch.maximum(rel * x.abs(), sub * scale) * (1 + 1e-6)
+    return bool(((x - y).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("dims", [None, (0, 2)])  # per tensor, per head
+def test_fp8_round_trip_bound(kind, outliers, dims):
+    x = samples(1, outliers=outliers)
+    q = quant.quantize_fp8(x, kind, reduce_dims=dims)
+    assert q.data.dtype == quant.FP8_DTYPES[kind]
+    assert q.scale.numel() == (1 if dims is None else x.shape[1])
+    y = quant.dequantize_fp8(q)
+    assert fp8_ok(x, y, kind, q.scale.expand_as(x))
+    # The largest magnitude maps onto the format's max finite value exactly (no clipping).
+    assert float(q.data.float().abs().max()) == quant.fp8_max(kind)
+
+
+def test_fp8_static_scale_saturates_instead_of_nan():
+    x = torch.tensor([1.0, -1000.0, 1000.0, 0.0])
+    q = quant.quantize_fp8(x, "fp8_e4m3", scale=1.0)
+    y = quant.dequantize_fp8(q)
+    assert torch.equal(y, torch.tensor([1.0, -448.0, 448.0, 0.0]))
+    with pytest.raises(quant.QuantError, match="> 0"):
+        quant.quantize_fp8(x, "fp8_e4m3", scale=0.0)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("axis,group", [(0, 16), (0, 64), (2, 32), (2, 64)])
+def test_int_group_round_trip_bound(bits, outliers, axis, group):
+    x = samples(2, outliers=outliers)
+    q = quant.quantize_groups(x, bits, group, axis)
+    assert q.codes.dtype == torch.uint8 and q.codes.shape[-1] == x.shape[-1] * bits // 8
+    y = quant.dequantize_groups(q)
+    step = q.scale.float().repeat_interleave(group, dim=axis)
+    assert bool(((x - y).abs() <= step / 2 * (1 + 1e-6) + 1e-7).all())
+    # The scale is the group's range over the code range (to float16 precision), no wider.
+    grouped = x.unflatten(axis, (x.shape[axis] // group, group))
+    rng = grouped.amax(axis + 1) - grouped.amin(axis + 1)
+    assert torch.allclose(q.scale.float(), rng / (2 ** bits - 1), rtol=2e-3)
+
+
+def test_int_constant_group_is_exact_and_int4_packing_round_trips():
+    x = torch.full((4, 2, 8), 0.37)
+    for bits in (4, 8):
+        y = quant.dequantize_groups(quant.quantize_groups(x, bits, 4, axis=0))
+        assert torch.allclose(y, x, atol=1e-4)  # float16 zero point: 2^-11 relative
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16) % 16
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(codes)), codes)
+
+
+def test_quantizer_errors_name_the_setting():
+    with pytest.raises(quant.QuantError, match="group size 24 must divide"):
+        quant.quantize_groups(torch.randn(16, 64), 4, 24, axis=0)
+    with pytest.raises(quant.QuantError, match="non-finite"):
+        quant.quantize_groups(torch.tensor([[1.0, float("nan")]]), 8, 2, axis=1)
+    with pytest.raises(quant.QuantError, match="int4"):
+        quant.bytes_per_block_per_layer("int4", 1, 63, 16, 63)
+    with pytest.raises(ConfigError, match="group-size"):
+        IntPagedKVCache(TINY, num_blocks=4, block_size=8, dtype=torch.float32, group_size=3)
+
+
+# ---------------------------------------------------------------------------- byte accounting
+
+def test_bytes_per_block_match_allocation_and_ratios():
+    for dt in QUANT_DTYPES:
+        for bs in (16, 32):
+            c = create_kv_cache(TINY, num_blocks=2, block_size=bs, kv_cache_dtype=dt)
+            assert c.block_bytes == kv_cache_bytes_per_block(TINY, bs, dt, torch.float32)
+    f32 = kv_cache_bytes_per_block(SMOL, 16, "auto", torch.float32)
+    bf16 = kv_cache_bytes_per_block(SMOL, 16, "auto", torch.bfloat16)
+    ratio = {dt: (f32 / kv_cache_bytes_per_block(SMOL, 16, dt, torch.float32),
+                  bf16 / kv_cache_bytes_per_block(SMOL, 16, dt, torch.bfloat16)) for dt in QUANT_DTYPES}
+    # fp8: one byte per element + two float32 scales per block and layer.
+    assert 3.98 < ratio["fp8"][0] < 4.0 and 1.99 < ratio["fp8"][1] < 2.0
+    # int8 at group 32, block 16: keys 8 bits + fp16 scale and zero per 16 tokens (2 bits),
+    # values 8 bits + the same per 32 channels (1 bit): 9.5 bits on average.
+    assert ratio["int8"][1] == pytest.approx(16 / 9.5)
+    # int4: (4 + 2 + 4 + 1) / 2 = 5.5 bits; larger blocks amortize the key metadata.
+    assert ratio["int4"][1] == pytest.approx(16 / 5.5)
+    assert ratio["int4"][0] == pytest.approx(32 / 5.5)
+    assert quant.bytes_per_token_per_layer("int4", 3, 64, 64, 64) * 8 / (3 * 64 * 2) == pytest.approx(4.5)
+    # Same budget -> proportionally more blocks.
+    budget = 1 << 30
+    assert budget // kv_cache_bytes_per_block(SMOL, 16, "fp8", torch.bfloat16) >= 1.99 * (budget // bf16)
+    assert QuantizedKVCache.residual_bytes(SMOL, 16, "int4", torch.float32, 8) == \
+        8 * 30 * (2 * 16 * 3 * 64 * 4 + 16)
+
+
+# ------------------------------------------------------------------------- paged round trips
+
+def write_seq(cache, table, k, v, chunks):
+    """Write a sequence's K/V `[n, H, D]` through its block table in chunks (prefill, then decodes)."""
+    bs, pos = cache.block_size, 0
+    for n in chunks:
+        p = torch.arange(pos, pos + n)
+        slots = torch.tensor(table)[p // bs] * bs + p % bs
+        for layer in range(cache.num_layers):
+            cache.write(layer, slots, k[pos:pos + n] * (layer + 1), v[pos:pos + n] * (layer + 1))
+        pos += n
+
+
+def reference_block(cache, k_blk, v_blk):
+    """What a sealed block must dequantize to: the quantizer applied to the whole block."""
+    if isinstance(cache, Fp8PagedKVCache):
+        dims = (1, 3) if cache.scale_granularity == "head" else (1, 2, 3)
+        return [quant.dequantize_fp8(quant.quantize_fp8(x, cache.kind, reduce_dims=dims)) for x in (k_blk, v_blk)]
+    g = cache.groups
+    return [quant.dequantize_groups(quant.quantize_groups(k_blk, cache.bits, g.key_tokens, 1)),
+            quant.dequantize_groups(quant.quantize_groups(v_blk, cache.bits, g.value_channels, 3))]
+
+
+@pytest.mark.parametrize("dt", QUANT_DTYPES)
+def test_paged_write_gather_exact_against_block_quantizer(dt):
+    bs, n = 8, 29  # 3 full blocks + a 5-token partial block
+    cache = create_kv_cache(TINY, num_blocks=12, block_size=bs, kv_cache_dtype=dt)
+    k, v = samples(3, (n, 2, 16), outliers=True), samples(4, (n, 2, 16))
+    table = [9, 2, 11, 5]  # scattered, out of order
+    write_seq(cache, table, k, v, [13, 1, 1, 3, 11])  # chunked prefill + decodes
+    for layer in range(2):
+        gk, gv = cache.gather(layer, torch.tensor(table))
+        kb, vb = (x * (layer + 1) for x in (k, v))
+        full = 3 * bs
+        rk, rv = reference_block(cache, kb[:full].view(3, bs, 2, 16), vb[:full].view(3, bs, 2, 16))
+        assert torch.equal(gk[:full], rk.reshape(full, 2, 16))
+        assert torch.equal(gv[:full], rv.reshape(full, 2, 16))
+        # The open block is still the residual: exact.
+        assert torch.equal(gk[full:n], kb[full:]) and torch.equal(gv[full:n], vb[full:])
+    # Filling the last block seals it; gathering a subset returns only those blocks.
+    k2, v2 = samples(5, (3, 2, 16)), samples(6, (3, 2, 16))
+    p = torch.arange(n, n + 3)
+    slots = torch.tensor(table)[p // bs] * bs + p % bs
+    for layer in range(2):
+        cache.write(layer, slots, k2 * (layer + 1), v2 * (layer + 1))
+    assert int((cache.block_res >= 0).sum()) == 0
+    gk, _ = cache.gather(0, torch.tensor([5]))
+    rk, _ = reference_block(cache, torch.cat([k[24:], k2]).view(1, bs, 2, 16), torch.zeros(1, bs, 2, 16))
+    assert torch.equal(gk, rk.reshape(bs, 2, 16))
+
+
+def test_fp8_per_head_and_static_scales():
+    k, v = samples(7, (16, 2, 16), outliers=True), samples(8, (16, 2, 16))
+    c = Fp8PagedKVCache(TINY, num_blocks=4, block_size=16, dtype=torch.float32, scale_granularity="head")
+    write_seq(c, [3], k, v, [16])
+    assert c.fields["k_scale"].shape == (2, 4, 2)
+    gk, _ = c.gather(0, torch.tensor([3]))
+    assert torch.equal(gk, reference_block(c, k[None], v[None])[0][0])
+    scales = KVScales.from_weights({f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(0.05)
+                                    for i in range(2) for n in "kv"}, 2)
+    s = Fp8PagedKVCache(TINY, num_blocks=4, block_size=16, dtype=torch.float32, kv_scales=scales)
+    assert not s.staged and s.block_bytes == 2 * 2 * 16 * 2 * 16  # no per-block scales stored
+    write_seq(s, [1], k[:5], v[:5], [2, 3])
+    gk, _ = s.gather(0, torch.tensor([1]))
+    ref = quant.dequantize_fp8(quant.quantize_fp8(k[:5], "fp8_e4m3", scale=0.05))
+    assert torch.equal(gk[:5], ref)
+    with pytest.raises(ConfigError, match="only one of"):
+        KVScales.from_weights({"model.layers.0.self_attn.k_scale": torch.tensor(1.0)}, 2)
+    assert KVScales.from_weights({}, 2) is None
+
+
+def test_residual_pool_eviction_reopen_and_exhaustion():
+    bs = 8
+    c = IntPagedKVCache(TINY, num_blocks=16, block_size=bs, dtype=torch.float32,
+                        kv_cache_dtype="int8", num_residual_blocks=2)
+    seqs = {0: [1, 4], 1: [7, 3], 2: [10, 12]}
+    data = {i: (samples(10 + i, (12, 2, 16)), samples(20 + i, (12, 2, 16))) for i in seqs}
+    for t in range(12):  # three sequences decode in turn: 3 open blocks, 2 residual entries
+        for i, table in seqs.items():
+            p = torch.tensor([t])
+            slot = torch.tensor(table)[p // bs] * bs + p % bs
+            for layer in range(2):
+                c.write(layer, slot, data[i][0][t:t + 1], data[i][1][t:t + 1])
+    for i, table in seqs.items():
+        gk, gv = c.gather(1, torch.tensor(table))
+        k, v = data[i]
+        # More open blocks than entries thrash: a block is evicted (quantized as it stands) and
+        # re-opened (dequantized) once per decode of another sequence, so a token is quantized up
+        # to block_size times, each within half a step of a group no wider than the channel's range.
+        step_k = (k.amax(0) - k.amin(0)) / 255
+        assert bool(((gk[:12] - k).abs() <= bs * step_k * 0.5 * 1.01 + 1e-6).all())
+        step_v = (v.amax(2, keepdim=True) - v.amin(2, keepdim=True)) / 255
+        assert bool(((gv[:12] - v).abs() <= bs * step_v * 0.5 * 1.01 + 1e-6).all())
+    assert c.residual_evictions > 0
+    with pytest.raises(RuntimeError, match="num_residual_blocks >= max_num_seqs"):
+        c.write(0, torch.tensor([13 * bs, 14 * bs, 15 * bs]), torch.zeros(3, 2, 16), torch.zeros(3, 2, 16))
+
+
+@pytest.mark.parametrize("dt", ["fp8", "int4"])
+def test_copy_blocks_partial_full_and_chain(dt):
+    bs = 8
+    c = create_kv_cache(TINY, num_blocks=10, block_size=bs, kv_cache_dtype=dt)
+    k, v = samples(30, (13, 2, 16)), samples(31, (13, 2, 16))
+    write_seq(c, [4, 6], k, v, [13])  # block 4 full (sealed), block 6 open with 5 tokens
+    before = {n: t[:, 4].clone() for n, t in c.fields.items()}
+    g4, _ = c.gather(0, torch.tensor([4]))
+    c.copy_blocks([BlockCopy(4, 1, bs), BlockCopy(6, 2, 3), BlockCopy(1, 3, bs)])
+    for n, t in c.fields.items():  # full copy of a sealed block copies its codes bit for bit
+        assert torch.equal(t[:, 1], before[n])
+    gk, _ = c.gather(0, torch.tensor([1, 2, 3]))
+    assert torch.equal(gk[:bs], g4)
+    assert torch.equal(gk[bs:bs + 3], k[8:11])  # partial copy of an open block: residual, exact
+    assert torch.equal(gk[2 * bs:], torch.zeros(bs, 2, 16))  # chain reads block 1's old contents
+
+
+# ------------------------------------------------------------------------ attention accuracy
+
+def attention_f64(q, k, v, scale):
+    """Causal decode attention of each query row (last position) in float64, GQA by repeat."""
+    rep = q.shape[0] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    logits = torch.einsum("hd,lhd->hl", q.double(), kk) * scale
+    return torch.einsum("hl,lhd->hd", logits.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("dt", QUANT_DTYPES)
+def test_paged_attention_with_quantized_kv_vs_float64(dt):
+    """Decode attention through the torch backend over a quantized cache, versus float64 over
+    the original K/V. Bound: the output is a convex combination of V rows, so V error adds at
+    most max|dV|; a logit error of at most d per key moves the softmax weights by
+    sum|p' - p| <= e^{2d} - 1, which moves the output by at most that times max|V|.
+    d = scale * max_j |q . dk_j| is computed from the block quantizer's own error."""
+    bs, H, Hq, D, n = 8, 2, 4, 16, 37
+    cache = create_kv_cache(TINY, num_blocks=12, block_size=bs, kv_cache_dtype=dt)
+    k, v, q = samples(40, (n, H, D), outliers=True), samples(41, (n, H, D)), samples(42, (1, Hq, D))
+    table = [3, 8, 1, 10, 6]
+    write_seq(cache, table, k, v, [n - 1, 1])
+    backend = TorchAttentionBackend(Hq, H, D, scale=D ** -0.5)
+    meta = build_attention_metadata([n - 1], [1], [table], bs)
+    out = backend.forward(0, q, k[-1:], v[-1:], cache, meta)[0]  # rewrites the last token
+    ref = attention_f64(q[0], k, v, D ** -0.5)
+    gk, gv = cache.gather(0, torch.tensor(table))
+    dk, dv = (gk[:n] - k).double(), (gv[:n] - v).double()
+    rep = Hq // H
+    d = (torch.einsum("hd,lhd->hl", q[0].double(), dk.repeat_interleave(rep, 1)).abs().max() * D ** -0.5)
+    bound = dv.abs().max() + math.expm1(2 * float(d)) * v.abs().max()
+    err = (out.double() - ref).abs().max()
+    assert 0 < err <= bound + 1e-5, (float(err), float(bound))
+    # And the backend attends exactly to what the cache dequantizes (float32 rounding only).
+    exact = attention_f64(q[0], gk[:n], gv[:n], D ** -0.5)
+    assert (out.double() - exact).abs().max() < 1e-5
+
+
+def test_quantized_cache_factory_and_prefix_hash_separation():
+    for dt, cls in (("fp8", Fp8PagedKVCache), ("fp8_e4m3", Fp8PagedKVCache), ("fp8_e5m2", Fp8PagedKVCache),
+                    ("int8", IntPagedKVCache), ("int4", IntPagedKVCache), ("auto", PagedKVCache)):
+        assert type(create_kv_cache(TINY, num_blocks=2, block_size=8, kv_cache_dtype=dt)) is cls
+    tokens = list(range(64))
+    hashes = {dt: set(extend_block_hashes([], root_hash(dt), tokens, 16))
+              for dt in ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")}
+    names = list(hashes)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not hashes[a] & hashes[b], (a, b)
