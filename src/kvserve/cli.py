@@ -1,0 +1,367 @@
+"""`kvserve serve|generate|chat|plan|analyze|stats|bench|simulate`.
+
+Engine flags are generated from the EngineArgs dataclass (`--max-num-seqs` <-> max_num_seqs), so the
+CLI, the offline API and vLLM's flag names cannot drift apart. vLLM flags kvserve does not implement
+are refused with the reason, never silently ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+import typing
+
+from kvserve.config import (DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError,
+                            EngineArgs, parse_size)
+
+logger = logging.getLogger("kvserve")
+
+_GROUPS = {
+    "Model": ["model", "tokenizer", "served_model_name", "dtype", "device", "seed", "max_model_len"],
+    "KV cache": ["block_size", "gpu_memory_utilization", "kv_cache_memory", "kv_cache_dtype",
+                 "enable_prefix_caching", "num_gpu_blocks_override", "swap_space"],
+    "Scheduler": ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
+                  "preemption_mode", "cache_aware_scheduling"],
+}
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
+            "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda"),
+            "attention_backend": ("auto", "torch", "triton")}
+_HELP = {
+    "model": "HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer directory when it differs from the model's",
+    "dtype": "compute dtype of weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
+    "device": "where the model runs",
+    "seed": "engine-wide random seed (per-request `seed` overrides it)",
+    "attention_backend": "attention kernels: torch (portable) or triton (CUDA)",
+    "served_model_name": "name(s) clients send as `model` (default: the model path)",
+    "max_model_len": "context length: prompt + output tokens per request (default: the model's)",
+    "block_size": "tokens per KV block",
+    "gpu_memory_utilization": "fraction of device memory for weights + KV cache (CUDA)",
+    "kv_cache_memory": "KV cache budget in bytes or 4GiB-style; the budget on CPU (default 4GiB)",
+    "kv_cache_dtype": "KV element type: auto (model dtype), fp8, int8, int4 (quantized with scales)",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes across requests",
+    "num_gpu_blocks_override": "exact number of KV blocks (ignores the memory budget)",
+    "swap_space": "GiB of host memory for swapped-out / offloaded KV blocks",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "token budget of one step (default 2048 with chunked prefill)",
+    "enable_chunked_prefill": "split long prompts across steps so decodes keep flowing",
+    "scheduling_policy": "fcfs, or priority (lower `priority` value runs first)",
+    "preemption_mode": "what happens to a preempted request's KV: recompute or swap",
+    "cache_aware_scheduling": "admit the waiting request with the longest cached prefix first (SGLang LPM)",
+    "check_integrity": "verify block accounting after every step (slow; debugging)",
+    "disable_log_stats": "no periodic stats log line",
+    "max_logprobs": "largest logprobs / top_logprobs a request may ask for",
+}
+# vLLM flags kvserve does not implement: flag -> (accepted value or None, why). A flag whose field is
+# added to EngineArgs later is generated from it instead, so an entry here can never shadow a real one.
+_REFUSED = {
+    "tensor_parallel_size": ("1", "kvserve runs one device per process; tensor parallelism is not implemented"),
+    "pipeline_parallel_size": ("1", "pipeline parallelism is not implemented"),
+    "data_parallel_size": ("1", "data parallelism is not implemented; run one server per device"),
+    "quantization": (None, "weight quantization methods are not implemented (GGUF weights are dequantized "
+                           "at load; use --kv-cache-dtype to quantize the KV cache)"),
+    "enable_lora": (None, "LoRA adapters are not implemented"),
+    "lora_modules": (None, "LoRA adapters are not implemented"),
+    "speculative_config": (None, "speculative decoding is not implemented"),
+    "kv_disk_path": (None, "the disk KV tier is not enabled in this build"),
+    "kv_transfer_config": (None, "KV transfer / disaggregated prefill is not implemented"),
+    "cpu_offload_gb": (None, "weight offloading is not implemented"),
+    "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
+    "load_format": (None, "only safetensors directories and GGUF files are loaded"),
+    "chat_template": (None, "custom chat templates are not implemented; the model's own template is used"),
+    "tool_call_parser": (None, "tool calling is not implemented"),
+    "enable_auto_tool_choice": (None, "tool calling is not implemented"),
+    "reasoning_parser": (None, "reasoning parsers are not implemented"),
+    "guided_decoding_backend": (None, "structured output is not implemented"),
+    "revision": (None, "hub revisions are not supported; pass a local model directory"),
+}
+_NOOP = {"enforce_eager": "kvserve never captures CUDA graphs, so it always runs eagerly",
+         "trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
+         "disable_log_requests": "requests are not logged unless --enable-log-requests is given"}
+
+
+class _Refuse(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        allowed, why = _REFUSED[self.dest]
+        if allowed is None or str(values) != allowed:
+            parser.error(f"{option_string}{'' if values is None else ' ' + str(values)} is not supported: {why}")
+
+
+class _Noop(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        logger.info("%s: accepted, nothing to do (%s)", option_string, _NOOP[self.dest])
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value, "--kv-cache-memory")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    hints = typing.get_type_hints(EngineArgs)
+    defaults = EngineArgs()
+    groups = {title: parser.add_argument_group(f"{title} (engine)") for title in _GROUPS}
+    other = parser.add_argument_group("Debugging and other engine options")
+    where = {name: groups[title] for title, names in _GROUPS.items() for name in names}
+    for f in dataclasses.fields(EngineArgs):
+        group = where.get(f.name, other)
+        default = getattr(defaults, f.name)
+        kind = hints[f.name]
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        kwargs: dict = {"dest": f.name, "default": default, "help": _HELP.get(f.name, f.name.replace("_", " "))}
+        if f.name == "model" and model_positional:
+            parser.add_argument("model_pos", nargs="?", metavar="MODEL", help=_HELP["model"])
+        if base is bool:  # --enable-x/--no-enable-x as vLLM; plain switches for off-by-default flags
+            on_off = f.name.startswith("enable_") or default
+            kwargs["action"] = argparse.BooleanOptionalAction if on_off else "store_true"
+        elif f.name == "kv_cache_memory":
+            kwargs["type"] = _size
+        elif f.name == "served_model_name":
+            kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = base
+        if f.name in _CHOICES:
+            kwargs["choices"] = _CHOICES[f.name]
+        if default is not None and base is not bool:
+            kwargs["help"] += " (default: %(default)s)"
+        group.add_argument(_flag(f.name), **kwargs)
+    refused = parser.add_argument_group("vLLM flags kvserve refuses (an error names the reason)")
+    for name, (allowed, why) in _REFUSED.items():
+        if name not in hints:
+            refused.add_argument(_flag(name), dest=name, nargs="?", action=_Refuse, default=argparse.SUPPRESS,
+                                 metavar="X", help=why + (f" (only {allowed} is accepted)" if allowed else ""))
+    noop = parser.add_argument_group("vLLM flags accepted with nothing to do")
+    for name, why in _NOOP.items():
+        if name not in hints:
+            noop.add_argument(_flag(name), dest=name, nargs=0, action=_Noop, default=argparse.SUPPRESS, help=why)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    if getattr(ns, "model_pos", None):
+        if values["model"] and values["model"] != ns.model_pos:
+            raise ConfigError(f"model given twice: positional {ns.model_pos!r} and --model {values['model']!r}")
+        values["model"] = ns.model_pos
+    names = values["served_model_name"]
+    values["served_model_name"] = names[0] if names else None
+    args = EngineArgs(**values)
+    args.validate()
+    return args
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server",
+                       description="Start the OpenAI-compatible HTTP server (vLLM's `vllm serve` flags).")
+    add_engine_args(p, model_positional=True)
+    s = p.add_argument_group("Server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; 0.0.0.0 exposes it)")
+    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    s.add_argument("--api-key", action="append", default=[], help="require `Authorization: Bearer KEY` on /v1 "
+                   "routes; repeat for several keys (all share one tenant)")
+    s.add_argument("--api-keys-file", help="JSON {key: tenant} or lines `KEY TENANT`; each tenant gets its own "
+                   "prefix cache (salted block hashes)")
+    s.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
+    s.add_argument("--max-log-len", type=int, default=None, help="characters of a prompt shown in request logs")
+    s.add_argument("--request-log", metavar="PATH", help="append one JSON line per finished request "
+                   "(input for `kvserve analyze`)")
+    s.add_argument("--max-request-body-bytes", type=_size, default=32 * 1024**2,
+                   help="larger request bodies get 413 (default: 32MiB)")
+    s.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(_run=run_serve)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+    from prometheus_client import disable_created_metrics
+
+    from kvserve.engine.async_engine import AsyncLLM
+    from kvserve.server.app import build_app
+    from kvserve.server.auth import Authenticator, load_api_keys
+    from kvserve.server.metrics import RequestLogWriter, ServerMetrics, StatLogger
+    from kvserve.server.serving import ServingConfig
+
+    args = engine_args_from(ns)
+    auth = Authenticator(load_api_keys(ns.api_key, ns.api_keys_file))
+    names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    llm = AsyncLLM.from_engine_args(args)
+    disable_created_metrics()  # no *_created series: monitoring greps see one line per metric
+    metrics = ServerMetrics(names[0], llm.max_model_len, args)
+    llm.step_listeners.append(metrics)
+    if not args.disable_log_stats:
+        llm.step_listeners.append(StatLogger())
+    if ns.request_log:
+        llm.step_listeners.append(RequestLogWriter(ns.request_log))
+    config = ServingConfig(served_model_names=names, max_logprobs=args.max_logprobs,
+                           enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len)
+    app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes)
+    s = llm.latest_stats
+    logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",
+                args.model or "embedded SmolLM2-135M-Instruct", ", ".join(names), ns.host, ns.port,
+                llm.max_model_len, s.num_blocks_total, args.block_size, "on" if auth.enabled else "off")
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _add_generate(sub) -> None:
+    for name, help_ in (("generate", "complete one prompt, streaming to stdout"),
+                        ("chat", "interactive chat; later turns reuse the conversation's KV prefix")):
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == "generate":
+            p.add_argument("prompt", help="the prompt text")
+            p.add_argument("--chat", dest="use_chat", action="store_true",
+                           help="wrap the prompt as one user message in the model's chat template")
+        else:
+            p.add_argument("--system", help="system message for the conversation")
+        g = p.add_argument_group("Sampling")
+        g.add_argument("--max-tokens", type=int, default=256 if name == "chat" else 64)
+        g.add_argument("--temperature", type=float, default=0.7 if name == "chat" else 0.0)
+        g.add_argument("--top-p", type=float, default=1.0)
+        g.add_argument("--top-k", type=int, default=0)
+        g.add_argument("--min-p", type=float, default=0.0)
+        g.add_argument("--stop", action="append", default=[])
+        g.add_argument("--ignore-eos", action="store_true")
+        add_engine_args(p)
+        p.set_defaults(_run=_run_chat if name == "chat" else _run_generate)
+
+
+def _stream(engine, request_id: str, prompt, params, out=sys.stdout):
+    from kvserve.engine.outputs import RequestError
+
+    try:
+        engine.add_request(request_id, prompt, params)
+    except RequestError as e:
+        raise ConfigError(str(e)) from None
+    final = None
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id == request_id:
+                    out.write(o.outputs[0].delta_text)
+                    out.flush()
+                    final = o
+    except KeyboardInterrupt:
+        engine.abort_request([request_id])
+        out.write("\n[interrupted]")
+    out.write("\n")
+    return final
+
+
+def _engine_and_params(ns):
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(engine_args_from(ns))
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            min_p=ns.min_p, stop=ns.stop, ignore_eos=ns.ignore_eos, seed=ns.seed)
+    return engine, params
+
+
+def _report(final) -> None:
+    if final is not None:
+        n_out = len(final.outputs[0].token_ids)
+        t = final.metrics
+        dur = (t.last_token_time or t.arrival_time) - t.arrival_time
+        print(f"[{len(final.prompt_token_ids)} prompt tokens ({final.num_cached_tokens} cached), {n_out} generated"
+              f"{f', {n_out / dur:.1f} tok/s' if dur > 0 else ''}]", file=sys.stderr)
+
+
+def _run_generate(ns) -> int:
+    engine, params = _engine_and_params(ns)
+    prompt = ns.prompt
+    if ns.use_chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    _report(_stream(engine, "generate-0", prompt, params))
+    return 0
+
+
+def _run_chat(ns) -> int:
+    engine, params = _engine_and_params(ns)
+    messages = [{"role": "system", "content": ns.system}] if ns.system else []
+    print("kvserve chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    for turn in range(1_000_000):
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if ns.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        try:
+            final = _stream(engine, f"chat-{turn}", ids, params)
+        except ConfigError as e:  # the conversation outgrew the context
+            print(f"error: {e}; /reset to start over", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
+        _report(final)
+    return 0
+
+
+_TOOLS = ("plan", "analyze", "stats", "bench_serve", "simulate")
+
+
+def _add_tools(sub) -> None:
+    """Each tool module exposes add_parser(subparsers) and run(args) -> int; absent ones are skipped."""
+    for module_name in _TOOLS:
+        try:
+            module = importlib.import_module(f"kvserve.tools.{module_name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"kvserve.tools.{module_name}":
+                continue  # not written yet
+            logger.warning("kvserve %s is unavailable: %s", module_name, e)
+            continue
+        except Exception as e:  # a broken tool must not take `kvserve serve` down with it
+            logger.warning("kvserve %s is unavailable: %s: %s", module_name, type(e).__name__, e)
+            continue
+        before = set(sub.choices)
+        module.add_parser(sub)
+        for name in set(sub.choices) - before:
+            sub.choices[name].set_defaults(_run=module.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine and OpenAI-compatible "
+                                     "server built around KV-cache management.")
+    from kvserve import __version__
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_tools(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not getattr(ns, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return ns._run(ns) or 0
+    except ConfigError as e:
+        print(f"kvserve {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

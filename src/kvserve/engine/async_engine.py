@@ -1,0 +1,260 @@
+"""AsyncLLM: the LLMEngine stepping in its own thread, with an asyncio front for the server.
+
+Why a thread and not an asyncio task: a step is a blocking forward pass (tens to hundreds of
+milliseconds). Run on the event loop it would stall every HTTP connection for that long; run in a
+thread, torch releases the GIL inside its kernels and the event loop keeps accepting connections,
+streaming tokens and answering /metrics while the model computes.
+
+Everything that touches the engine (add, abort, reset, stats) runs on the engine thread, between
+steps, as a queued command: the engine itself needs no locks. Outputs flow back per request through
+an asyncio.Queue fed with loop.call_soon_threadsafe.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised; the requests that were in flight were failed and aborted."""
+
+
+@dataclass
+class StepEvent:
+    """What one loop iteration did, handed to the step listeners (metrics, logs) on the engine thread."""
+    stats: Any  # EngineStats after the iteration
+    outputs: list  # RequestOutputs produced by the step (empty when only commands ran)
+    aborted: list[str]  # request ids aborted by their clients during this iteration
+    now: float  # time.monotonic() when the iteration ended
+    num_step_errors: int = 0  # steps that raised since start
+
+
+StepListener = Callable[[StepEvent], None]
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+
+class RequestStream:
+    """One admitted request's outputs. Iterating past `finished` ends; leaving early aborts."""
+
+    def __init__(self, llm: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop):
+        self.llm = llm
+        self.request_id = request_id
+        self._sink = _Stream(loop, asyncio.Queue())
+        self.finished = False
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.llm.abort(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator:
+        try:
+            while not self.finished:
+                item = await self._sink.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True  # the loop already aborted it in the engine
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.abort()
+
+
+class AsyncLLM:
+    def __init__(self, engine, step_listeners: list[StepListener] | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.step_listeners: list[StepListener] = list(step_listeners or [])
+        self._cv = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
+        self._aborted: list[str] = []  # engine thread: client aborts since the last publish
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.latest_stats = engine.get_stats()
+        self.num_step_errors = 0
+
+    @classmethod
+    def from_engine_args(cls, args, step_listeners: list[StepListener] | None = None) -> "AsyncLLM":
+        from kvserve.engine.engine import LLMEngine
+        return cls(LLMEngine.from_engine_args(args), step_listeners)
+
+    # ----- lifecycle -----
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    # ----- commands run on the engine thread -----
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn(engine-side) between two steps; the future carries its result or exception."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller, never kills the loop
+                fut.set_exception(e)
+
+        with self._cv:
+            self._commands.append(command)
+            self._cv.notify()
+        return fut
+
+    async def acall(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.acall(self.engine.reset_prefix_cache)
+
+    async def get_stats(self):
+        return await self.acall(self.engine.get_stats)
+
+    def abort(self, request_id: str) -> None:
+        """Fire-and-forget abort; safe from any thread, and a no-op for finished requests."""
+        if not self.is_running:
+            return
+
+        def do_abort() -> None:
+            if self._streams.pop(request_id, None) is not None:
+                self._aborted.append(request_id)
+            self.engine.abort_request([request_id])
+
+        with self._cv:
+            self._commands.append(do_abort)
+            self._cv.notify()
+
+    async def add_request(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
+                          cache_salt: str | None = None) -> "RequestStream":
+        """Admit a request; raises the engine's RequestError before anything is streamed.
+
+        The caller must iterate the returned stream to its end or call its abort().
+        """
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+            self._streams[request_id] = stream._sink
+
+        try:
+            await self.acall(add)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still run; this abort is queued after it
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator:
+        """Yield RequestOutputs for one request until it finishes.
+
+        add_request errors (RequestError) are raised before the first output. Leaving the
+        iteration early (client gone, task cancelled) aborts the request in the engine.
+        """
+        stream = await self.add_request(prompt, params, request_id, priority, cache_salt)
+        async for out in stream:
+            yield out
+
+    # ----- the loop -----
+
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        while True:
+            with self._cv:
+                while not self._stop and not self._commands and not self.engine.has_unfinished_requests():
+                    self._cv.wait()
+                if self._stop:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                command()
+            outputs: list = []
+            if self.engine.has_unfinished_requests():
+                outputs = self._step()
+            self._publish(outputs)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        logger.info("engine loop stopped")
+
+    def _step(self) -> list:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # The batch's state is unknown: fail and abort everything in flight, keep serving.
+            self.num_step_errors += 1
+            logger.exception("engine step failed; aborting %d in-flight requests", len(self._streams))
+            ids = list(self._streams)
+            self._aborted.extend(ids)
+            self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
+            try:
+                self.engine.abort_request(ids)
+            except Exception:
+                logger.exception("abort after a failed step also failed")
+            return []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its client in the meantime
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+        return outputs
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)
+
+    def _publish(self, outputs: list) -> None:
+        try:
+            self.latest_stats = self.engine.get_stats()
+        except Exception:
+            logger.exception("get_stats failed")
+            return
+        event = StepEvent(self.latest_stats, outputs, self._aborted, time.monotonic(), self.num_step_errors)
+        self._aborted = []
+        for listener in self.step_listeners:
+            try:
+                listener(event)
+            except Exception:
+                logger.exception("step listener %r failed", listener)

@@ -1,0 +1,278 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routes, auth, error objects, body limits, disconnects.
+
+Every refusal is an OpenAI error object `{"error": {"message", "type", "param", "code"}}` with a 4xx
+status; a 5xx means a bug in kvserve (or a failed engine step) and is logged with its traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvserve
+from kvserve.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError
+from kvserve.server import protocol as P
+from kvserve.server.auth import Authenticator, effective_cache_salt
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import APIError
+from kvserve.server.serving import OpenAIServing, ServingConfig, _sse
+
+logger = logging.getLogger("kvserve.server")
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+_ERRORS = {400: P.ErrorResponse, 401: P.ErrorResponse, 404: P.ErrorResponse, 413: P.ErrorResponse}
+ERROR_RESPONSES = {code: {"model": model} for code, model in _ERRORS.items()}
+
+
+def _error(status: int, message: str, *, param: str | None = None, type: str = "invalid_request_error",
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(APIError(message, status=status, param=param, type=type, code=code).to_dict(),
+                        status_code=status)
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over `max_bytes` (413) and bodies that are not UTF-8 (400) before any parsing.
+
+    Pure ASGI so that the disconnect messages that follow the body still reach the app.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send, 413, f"Request body is {int(declared)} bytes; the limit is "
+                                                 f"{self.max_bytes} bytes (--max-request-body-bytes)")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._refuse(send, 413, f"Request body exceeds the limit of {self.max_bytes} bytes "
+                                                     "(--max-request-body-bytes)")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return await self._refuse(send, 400, f"Request body is not valid UTF-8: byte 0x{body[e.start]:02x} "
+                                                 f"at offset {e.start}; send JSON encoded as UTF-8")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(send, status: int, message: str) -> None:
+        response = _error(status, message, code="request_too_large" if status == 413 else None)
+        await response({"type": "http"}, None, send)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run a non-streaming handler; if the client goes away first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(coro)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            logger.info("client disconnected before the response; request aborted")
+    return None if task.cancelled() else task.result()
+
+
+async def _guard_stream(request: Request, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Stream SSE chunks; stop (and abort the request) the moment the client disconnects, even
+    while the request is still queued and has produced nothing to send."""
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        while True:
+            nxt = asyncio.ensure_future(chunks.__anext__())
+            await asyncio.wait({nxt, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await nxt
+                logger.info("client disconnected mid-stream; request aborted")
+                return
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
+    except (EngineStepError, EngineDeadError) as e:
+        yield _sse(APIError(str(e), status=500, type="InternalServerError").to_dict())
+        yield "data: [DONE]\n\n"
+    finally:
+        listener.cancel()
+        await chunks.aclose()
+
+
+def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth: Authenticator,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    serving = OpenAIServing(llm, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        llm.start()
+        yield
+        llm.shutdown()
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible LLM server built around KV-cache management.")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    bearer = HTTPBearer(auto_error=False)
+
+    async def tenant(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
+        if not auth.enabled:
+            return None
+        key = auth.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
+        if key is None:
+            raise APIError("Missing or invalid API key: send `Authorization: Bearer <key>` with a key given to "
+                           "--api-key or --api-keys-file", status=401, type="authentication_error",
+                           code="invalid_api_key")
+        return key.tenant
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return JSONResponse(e.to_dict(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            detail = (first.get("ctx") or {}).get("error", "JSON decode error")
+            return _error(400, f"Request body is not valid JSON: {detail} at offset {loc[0] if loc else '?'}")
+        param = ".".join(loc) or None
+        where = f"`{param}`" if param else "request body"
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        msg = first.get("msg", "invalid")
+        if first.get("type") == "missing":
+            msg = "this field is required"
+        return _error(400, f"{where}: {msg}{more}", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, str(e.detail), type=kind)
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, e: EngineDeadError):
+        return _error(503, f"the engine is not running: {e}", type="ServiceUnavailableError")
+
+    @app.exception_handler(EngineStepError)
+    async def step_failed(_: Request, e: EngineStepError):
+        return _error(500, str(e), type="InternalServerError")
+
+    async def respond(request: Request, result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(_guard_stream(request, result), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: P.CompletionRequest, request: Request, who: str | None = Depends(tenant)):
+        salt = effective_cache_salt(who, body.cache_salt)
+        if body.stream:
+            return await respond(request, await serving.create_completion(body, salt))
+        result = await _until_disconnect(request, serving.create_completion(body, salt))
+        return Response(status_code=499) if result is None else await respond(request, result)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request,
+                               who: str | None = Depends(tenant)):
+        salt = effective_cache_salt(who, body.cache_salt)
+        if body.stream:
+            return await respond(request, await serving.create_chat_completion(body, salt))
+        result = await _until_disconnect(request, serving.create_chat_completion(body, salt))
+        return Response(status_code=499) if result is None else await respond(request, result)
+
+    @app.get("/v1/models", response_model=P.ModelList, dependencies=[Depends(tenant)])
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=name, root=llm.engine.args.model or "SmolLM2-135M-Instruct",
+                                             max_model_len=llm.max_model_len)
+                                 for name in config.served_model_names])
+
+    @app.get("/health")
+    async def health():
+        if not llm.is_running:
+            return _error(503, "the engine loop is not running", type="ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": kvserve.__version__}
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics_endpoint():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache", responses={409: {"model": P.ErrorResponse}}, dependencies=[Depends(tenant)])
+    async def reset_prefix_cache():
+        if await llm.reset_prefix_cache():
+            return {"status": "ok", "message": "prefix cache reset"}
+        used = llm.latest_stats.num_blocks_used
+        return _error(409, f"cannot reset the prefix cache: {used} KV blocks are referenced by running or "
+                           "waiting requests; retry when the server is idle", type="conflict", code="blocks_in_use")
+
+    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERROR_RESPONSES,
+              dependencies=[Depends(tenant)])
+    async def tokenize(body: P.TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("send exactly one of `prompt` or `messages`", param="prompt")
+        if body.prompt is not None:
+            ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            if not body.messages:
+                raise APIError("`messages` is empty", param="messages")
+            chat = P.ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            ids = serving._chat_prompt(chat)
+        return P.TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERROR_RESPONSES,
+              dependencies=[Depends(tenant)])
+    async def detokenize(body: P.DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = serving.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"tokens must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        return P.DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
+
+    return app

@@ -1,0 +1,273 @@
+"""Prometheus metrics: vLLM's names (dashboards and scripts work unchanged) plus native kvserve ones.
+
+Every metric is documented in docs/metrics.md. Updated on the engine thread after every loop
+iteration from the EngineStats snapshot (gauges; counters advance by the delta of the cumulative
+stats) and from the step's RequestOutputs (latency and length histograms).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kvserve.engine.async_engine import StepEvent
+
+logger = logging.getLogger("kvserve.stats")
+
+# vLLM's buckets, so existing dashboards' bucket-based panels line up.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+@dataclass
+class _RequestProgress:
+    last_token_time: float | None
+    num_tokens: int
+
+
+class ServerMetrics:
+    """Owns its own CollectorRegistry (no process-global state, several servers per process in tests)."""
+
+    def __init__(self, model_name: str, max_model_len: int, engine_args=None):
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        L = ["model_name"]
+
+        def gauge(name, doc, labels=L):
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name, doc, labels=L):
+            return Counter(name, doc, labels, registry=r)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, L, buckets=buckets, registry=r)
+
+        # --- vLLM names ---
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
+                                     "Fraction (0..1) of KV blocks held by requests (ref>0); cached-only blocks not counted.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Same value as vllm:gpu_cache_usage_perc (vLLM V1 name).")
+        self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc", "Fraction (0..1) of the host KV tier in use; 0 without one.")
+        self.gpu_hit_rate = gauge("vllm:gpu_prefix_cache_hit_rate",
+                                  "Prompt tokens served from device-resident cached blocks / prompt tokens queried, since start.")
+        self.cpu_hit_rate = gauge("vllm:cpu_prefix_cache_hit_rate",
+                                  "Prompt tokens served from the host tier / prompt tokens queried, since start.")
+        self.pc_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (new requests).")
+        self.pc_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (new requests).")
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted to free KV blocks.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of admitted requests, as counted by the engine (see docs/metrics.md).")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.request_success = counter("vllm:request_success", "Finished requests by finish reason.",
+                                       L + ["finished_reason"])
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between two steps' tokens of a request.", ITL_BUCKETS)
+        self.tpot = hist("vllm:time_per_output_token_seconds",
+                         "Same observations as vllm:inter_token_latency_seconds (vLLM V1 alias).", ITL_BUCKETS)
+        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
+                                 "Per request: (last token - first token) / (output tokens - 1).", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = hist("vllm:request_prefill_time_seconds", "First scheduled to first token.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = hist("vllm:request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = hist("vllm:request_inference_time_seconds", "First scheduled to last token.", REQUEST_LATENCY_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
+        self.req_prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt length per finished request.", token_buckets)
+        self.req_gen_tokens = hist("vllm:request_generation_tokens", "Generated tokens per finished request (all n).", token_buckets)
+        # --- native ---
+        self.blocks_total = gauge("kvserve:kv_blocks_total", "KV blocks in the device pool.")
+        self.blocks_free = gauge("kvserve:kv_blocks_free", "Blocks holding nothing reusable (ref==0, no cached content).")
+        self.blocks_used = gauge("kvserve:kv_blocks_used", "Blocks referenced by at least one request (ref>0).")
+        self.blocks_cached = gauge("kvserve:kv_blocks_cached", "Blocks with ref==0 kept only as reusable prefix cache (evictable).")
+        self.cached_usage = gauge("kvserve:kv_cached_usage_perc", "kv_blocks_cached / kv_blocks_total (0..1).")
+        self.token_occupancy = gauge("kvserve:kv_token_occupancy_perc",
+                                     "KV slots holding tokens / slots in referenced blocks (0..1); 1 - internal fragmentation.")
+        self.host_usage = gauge("kvserve:host_tier_usage_perc", "Fraction (0..1) of the host KV tier in use.")
+        self.evictions = counter("kvserve:cached_block_evictions", "Cached-only blocks evicted to make room.")
+        self.tier_hits = counter("kvserve:prefix_cache_hits_by_tier", "Prefix-cache hit tokens by source tier.",
+                                 L + ["tier"])
+        self.resume_queries = counter("kvserve:resume_prefix_cache_queries",
+                                      "Tokens looked up when preempted requests resume.")
+        self.resume_hits = counter("kvserve:resume_prefix_cache_hits",
+                                   "Tokens found in the cache when preempted requests resume.")
+        self.step_errors = counter("kvserve:engine_step_errors", "Engine steps that raised (requests failed).")
+        if engine_args is not None:
+            info = Info("kvserve:cache_config", "KV cache configuration.", L, registry=r)
+            info.labels(model_name).info({
+                "block_size": str(engine_args.block_size), "kv_cache_dtype": str(engine_args.kv_cache_dtype),
+                "enable_prefix_caching": str(engine_args.enable_prefix_caching),
+                "max_num_seqs": str(engine_args.max_num_seqs), "max_model_len": str(max_model_len)})
+        self._last: dict[str, float] = {}
+        self._progress: dict[str, _RequestProgress] = {}
+
+    # ----- updates (engine thread) -----
+
+    def _advance(self, key: str, counter, value: float) -> None:
+        delta = value - self._last.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last[key] = value
+
+    def observe_stats(self, s) -> None:
+        m = self.model_name
+        self.running.labels(m).set(s.num_running)
+        self.waiting.labels(m).set(s.num_waiting)
+        self.gpu_cache_usage.labels(m).set(s.kv_usage)
+        self.kv_cache_usage.labels(m).set(s.kv_usage)
+        self.cpu_cache_usage.labels(m).set(s.host_tier_usage)
+        self.host_usage.labels(m).set(s.host_tier_usage)
+        device_hits = s.tier_hits.get("device", s.prefix_cache_hits) if s.tier_hits else s.prefix_cache_hits
+        queries = max(s.prefix_cache_queries, 1)
+        self.gpu_hit_rate.labels(m).set(device_hits / queries if s.prefix_cache_queries else 0.0)
+        self.cpu_hit_rate.labels(m).set(s.tier_hits.get("host", 0) / queries if s.prefix_cache_queries else 0.0)
+        self.blocks_total.labels(m).set(s.num_blocks_total)
+        self.blocks_free.labels(m).set(s.num_blocks_free)
+        self.blocks_used.labels(m).set(s.num_blocks_used)
+        self.blocks_cached.labels(m).set(s.num_blocks_cached)
+        self.cached_usage.labels(m).set(s.cached_usage)
+        self.token_occupancy.labels(m).set(s.token_occupancy)
+        self._advance("pcq", self.pc_queries.labels(m), s.prefix_cache_queries)
+        self._advance("pch", self.pc_hits.labels(m), s.prefix_cache_hits)
+        self._advance("rq", self.resume_queries.labels(m), s.resume_prefix_cache_queries)
+        self._advance("rh", self.resume_hits.labels(m), s.resume_prefix_cache_hits)
+        self._advance("pre", self.preemptions.labels(m), s.num_preemptions)
+        self._advance("ev", self.evictions.labels(m), s.num_cached_block_evictions)
+        self._advance("pt", self.prompt_tokens.labels(m), s.prompt_tokens_total)
+        self._advance("gt", self.generation_tokens.labels(m), s.generation_tokens_total)
+        for tier, hits in s.tier_hits.items():
+            self._advance("tier:" + tier, self.tier_hits.labels(m, tier), hits)
+
+    def observe_output(self, out, now: float) -> None:
+        m, t = self.model_name, out.metrics
+        num_tokens = sum(len(o.token_ids) for o in out.outputs)
+        prog = self._progress.get(out.request_id)
+        if prog is None:
+            prog = self._progress[out.request_id] = _RequestProgress(None, 0)
+        if num_tokens > prog.num_tokens:
+            token_time = t.last_token_time if t.last_token_time is not None else now
+            if prog.last_token_time is None:
+                if t.first_token_time is not None:
+                    self.ttft.labels(m).observe(max(0.0, t.first_token_time - t.arrival_time))
+            else:
+                gap = max(0.0, token_time - prog.last_token_time)
+                self.itl.labels(m).observe(gap)
+                self.tpot.labels(m).observe(gap)
+            prog.last_token_time, prog.num_tokens = token_time, num_tokens
+        if not out.finished:
+            return
+        del self._progress[out.request_id]
+        reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
+        self.request_success.labels(m, reasons[0] if reasons else "abort").inc()
+        self.req_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
+        self.req_gen_tokens.labels(m).observe(num_tokens)
+        end = t.finished_time if t.finished_time is not None else now
+        self.e2e.labels(m).observe(max(0.0, end - t.arrival_time))
+        if t.first_scheduled_time is not None:
+            self.queue_time.labels(m).observe(max(0.0, t.first_scheduled_time - t.arrival_time))
+            if t.first_token_time is not None:
+                self.prefill_time.labels(m).observe(max(0.0, t.first_token_time - t.first_scheduled_time))
+            if t.last_token_time is not None:
+                self.inference_time.labels(m).observe(max(0.0, t.last_token_time - t.first_scheduled_time))
+        if t.first_token_time is not None and t.last_token_time is not None:
+            self.decode_time.labels(m).observe(max(0.0, t.last_token_time - t.first_token_time))
+            per_seq = max(len(o.token_ids) for o in out.outputs) if out.outputs else 0
+            if per_seq > 1:
+                self.request_tpot.labels(m).observe((t.last_token_time - t.first_token_time) / (per_seq - 1))
+
+    def __call__(self, event: StepEvent) -> None:
+        """StepListener entry point."""
+        self.observe_stats(event.stats)
+        for out in event.outputs:
+            self.observe_output(out, event.now)
+        for request_id in event.aborted:
+            self._progress.pop(request_id, None)
+            self.request_success.labels(self.model_name, "abort").inc()
+        self._advance("step_errors", self.step_errors.labels(self.model_name), event.num_step_errors)
+
+
+class StatLogger:
+    """The periodic log line (vLLM's format): throughput, running/waiting, KV usage, hit rate."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self._last_time: float | None = None
+        self._last = None
+
+    def __call__(self, event: StepEvent) -> None:
+        s, now = event.stats, event.now
+        if self._last_time is None:
+            self._last_time, self._last = now, s
+            return
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return
+        p = self._last
+        queries = s.prefix_cache_queries - p.prefix_cache_queries
+        hits = s.prefix_cache_hits - p.prefix_cache_hits
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%% (cached-only %.1f%%, "
+            "token occupancy %.1f%%), Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            (s.prompt_tokens_total - p.prompt_tokens_total) / elapsed,
+            (s.generation_tokens_total - p.generation_tokens_total) / elapsed,
+            s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * s.cached_usage,
+            100 * s.token_occupancy, 100 * hits / queries if queries else 0.0,
+            s.num_preemptions - p.num_preemptions)
+        self._last_time, self._last = now, s
+
+
+def request_log_fields(out) -> dict:
+    """The fields of kvserve's request log for one finished RequestOutput."""
+    t = out.metrics
+    end = t.finished_time if t.finished_time is not None else t.last_token_time or t.arrival_time
+    return dict(request_id=out.request_id, prompt_tokens=len(out.prompt_token_ids),
+                output_tokens=sum(len(o.token_ids) for o in out.outputs),
+                cached_tokens=min(max(out.num_cached_tokens, 0), len(out.prompt_token_ids)),
+                ttft=None if t.first_token_time is None else t.first_token_time - t.arrival_time,
+                e2e=end - t.arrival_time,
+                finish_reason=next((o.finish_reason for o in out.outputs if o.finish_reason), None),
+                prompt_token_ids=list(out.prompt_token_ids), time=time.time())
+
+
+class RequestLogWriter:
+    """--request-log PATH: one JSON line per finished request (a step listener, on the engine thread).
+
+    The line format belongs to `kvserve analyze` (tools.analyze.format_request_log_record), so the
+    writer and the reader cannot disagree.
+    """
+
+    def __init__(self, path: str):
+        try:
+            from kvserve.tools.analyze import format_request_log_record
+            self.format = lambda out: format_request_log_record(**request_log_fields(out))
+        except ImportError:
+            self.format = lambda out: json.dumps(request_log_fields(out), separators=(",", ":"))
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8", buffering=1)  # line-buffered: tail -f works
+
+    def __call__(self, event: StepEvent) -> None:
+        for out in event.outputs:
+            if out.finished:
+                self._file.write(self.format(out) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,369 @@
+"""OpenAI completions and chat completions on top of AsyncLLM: request -> SamplingParams -> engine
+-> response JSON or SSE chunks.
+
+Prompts are tokenized here (not in the engine) so that the context-length check, the usage block
+and the chat template's special tokens are decided in one place.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import AsyncIterator
+
+from kvserve.engine.async_engine import AsyncLLM, RequestStream
+from kvserve.engine.outputs import RequestError
+from kvserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.server import protocol as P
+from kvserve.server.protocol import APIError
+
+logger = logging.getLogger("kvserve.server")
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+@dataclass
+class ServingConfig:
+    served_model_names: list[str]
+    max_logprobs: int = 20
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+
+
+@dataclass
+class _Admitted:
+    """The requests one HTTP call put into the engine (a completions batch has several prompts)."""
+    request_id: str
+    streams: list[RequestStream]
+    params: SamplingParams
+
+    def abort(self) -> None:
+        for s in self.streams:
+            s.abort()
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, config: ServingConfig):
+        self.llm = llm
+        self.config = config
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.max_model_len
+        self.model_name = config.served_model_names[0]
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ----- validation -----
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.served_model_names:
+            raise APIError(f"The model `{model}` does not exist. Served models: "
+                           f"{', '.join(self.config.served_model_names)}", status=404, param="model",
+                           type="NotFoundError", code="model_not_found")
+
+    def _check_common(self, req: P._SamplingRequest) -> None:
+        self.check_model(req.model)
+        if req.logit_bias:
+            raise APIError("logit_bias is not supported by kvserve; remove it", param="logit_bias")
+        if isinstance(req.stop, list) and any(not s for s in req.stop) or req.stop == "":
+            raise APIError("stop must be a non-empty string or a list of non-empty strings", param="stop")
+        if req.stop_token_ids and any(not 0 <= t < self.tokenizer.vocab_size for t in req.stop_token_ids):
+            raise APIError(f"stop_token_ids must be in [0, {self.tokenizer.vocab_size})", param="stop_token_ids")
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> int:
+        if prompt_len == 0:
+            raise APIError(f"{what} is empty; send at least one token", param=what)
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                           f"your {what} has {prompt_len} tokens, leaving no room for output; shorten it "
+                           f"or start the server with a larger --max-model-len", param=what,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                           f"{max_tokens} in the completion); reduce max_tokens to at most {room}",
+                           param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def _sampling_params(self, req: P._SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if logprobs is not None and logprobs > self.config.max_logprobs:
+            raise APIError(f"logprobs must be <= {self.config.max_logprobs} (--max-logprobs), got {logprobs}",
+                           param="logprobs")
+        params = SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0, seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop or [],
+            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens)
+        try:
+            params.validate(max_logprobs=self.config.max_logprobs, max_n=P.MAX_N)
+        except SamplingParamsError as e:
+            raise APIError(str(e), param=str(e).split()[0]) from None
+        return params
+
+    async def _admit(self, prompts: list[list[int]], params: SamplingParams, req: P._SamplingRequest,
+                     cache_salt: str | None, prefix: str) -> _Admitted:
+        admitted = _Admitted(f"{prefix}-{uuid.uuid4().hex}", [], params)
+        try:
+            for i, ids in enumerate(prompts):
+                rid = admitted.request_id if len(prompts) == 1 else f"{admitted.request_id}-{i}"
+                if self.config.enable_log_requests:
+                    text = self.tokenizer.decode(ids, skip_special_tokens=False)[:self.config.max_log_len]
+                    logger.info("Received request %s: prompt: %r, params: %s", rid, text, params)
+                admitted.streams.append(await self.llm.add_request(ids, params, rid, req.priority, cache_salt))
+        except RequestError as e:
+            admitted.abort()
+            raise APIError(str(e), param=e.param) from None
+        except BaseException:
+            admitted.abort()
+            raise
+        return admitted
+
+    # ----- /v1/completions -----
+
+    def _completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            raw = [p]
+        elif not p:
+            raise APIError("prompt is empty; send a string, a list of strings or token ids", param="prompt")
+        elif isinstance(p[0], int):
+            raw = [p]
+        else:
+            raw = list(p)
+        if len(raw) * req.n > P.MAX_N:
+            raise APIError(f"{len(raw)} prompts x n={req.n} = {len(raw) * req.n} choices; the limit is {P.MAX_N}",
+                           param="n")
+        vocab = self.tokenizer.vocab_size
+        prompts = []
+        for item in raw:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError("prompt is empty; send at least one character", param="prompt")
+                prompts.append(self.tokenizer.encode(item))
+            else:
+                bad = [t for t in item if not 0 <= t < vocab]
+                if bad:
+                    raise APIError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+                prompts.append(list(item))
+        return prompts
+
+    async def create_completion(self, req: P.CompletionRequest, cache_salt: str | None):
+        self._check_common(req)
+        if req.suffix:
+            raise APIError("suffix is not supported by kvserve; remove it", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of is not supported (vLLM V1 dropped it too); use n", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError("echo with logprobs needs prompt logprobs, which kvserve does not compute; "
+                           "drop one of them", param="echo")
+        prompts = self._completion_prompts(req)
+        max_tokens = [self._check_length(len(ids), req.max_tokens, "prompt") for ids in prompts]
+        params = self._sampling_params(req, min(max_tokens), req.logprobs)
+        admitted = await self._admit(prompts, params, req, cache_salt, "cmpl")
+        if req.stream:
+            return self._stream_completion(req, admitted)
+        finals = await self._collect(admitted)
+        choices = []
+        for i, out in enumerate(finals):
+            prefix = self.tokenizer.decode(out.prompt_token_ids) if req.echo else ""
+            for o in out.outputs:
+                choices.append(P.CompletionChoice(
+                    index=i * req.n + o.index, text=prefix + o.text, finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason, logprobs=self._completion_logprobs(o.logprobs, 0)))
+        return P.CompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
+                                    usage=self._usage(finals)).model_dump()
+
+    async def _stream_completion(self, req: P.CompletionRequest, admitted: _Admitted) -> AsyncIterator[str]:
+        finals: dict[int, object] = {}
+        offsets: dict[int, int] = {}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        async for i, out in _merge(admitted):
+            finals[i] = out
+            for o in out.outputs:
+                index = i * req.n + o.index
+                text = o.delta_text
+                if req.echo and index not in offsets:
+                    text = self.tokenizer.decode(out.prompt_token_ids) + text
+                if not text and not o.finish_reason and not o.delta_logprobs:
+                    continue
+                lp = self._completion_logprobs(o.delta_logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(text)
+                chunk = P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[
+                    P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
+                                       stop_reason=o.stop_reason)])
+                if include_usage and continuous:
+                    chunk.usage = self._usage(list(finals.values()))
+                yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
+        if include_usage:
+            yield _sse(P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[],
+                                         usage=self._usage(list(finals.values()))).model_dump())
+        yield "data: [DONE]\n\n"
+
+    # ----- /v1/chat/completions -----
+
+    def _chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            if m.content is None or isinstance(m.content, str):
+                text = m.content or ""
+            else:
+                parts = []
+                for j, part in enumerate(m.content):
+                    if isinstance(part, P.TextContentPart):
+                        parts.append(part.text)
+                    elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                        parts.append(part["text"])
+                    else:
+                        raise APIError(f"messages[{i}].content[{j}]: content part type {part.get('type')!r} is "
+                                       "not supported; this server accepts text parts only",
+                                       param=f"messages[{i}].content")
+                text = "\n".join(parts)
+            messages.append({"role": m.role, "content": text})
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
+            raise APIError(f"messages: the chat template rejected them: {e}", param="messages") from None
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    async def create_chat_completion(self, req: P.ChatCompletionRequest, cache_salt: str | None):
+        self._check_common(req)
+        if req.tools:
+            raise APIError("tools are not supported by kvserve; remove tools/tool_choice", param="tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(f"response_format {req.response_format.type!r} is not supported; only 'text'",
+                           param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
+        ids = self._chat_prompt(req)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._check_length(len(ids), requested, "messages")
+        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        admitted = await self._admit([ids], params, req, cache_salt, "chatcmpl")
+        if req.stream:
+            return self._stream_chat(req, admitted)
+        out = (await self._collect(admitted))[0]
+        choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
+                                finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                logprobs=self._chat_logprobs(o.logprobs)) for o in out.outputs]
+        return P.ChatCompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
+                                        usage=self._usage([out])).model_dump()
+
+    async def _stream_chat(self, req: P.ChatCompletionRequest, admitted: _Admitted) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        rid, model = admitted.request_id, self.model_name
+        for i in range(req.n):  # the role comes first, as OpenAI sends it
+            yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
+                index=i, delta=P.DeltaMessage(role="assistant", content=""))]).model_dump(exclude_none=True))
+        last = None
+        async for _, out in _merge(admitted):
+            last = out
+            for o in out.outputs:
+                if not o.delta_text and not o.finish_reason and not o.delta_logprobs:
+                    continue
+                chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
+                    index=o.index, delta=P.DeltaMessage(content=o.delta_text), finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason, logprobs=self._chat_logprobs(o.delta_logprobs))])
+                if include_usage and continuous:
+                    chunk.usage = self._usage([out])
+                yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
+        if include_usage and last is not None:
+            yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[], usage=self._usage([last])).model_dump())
+        yield "data: [DONE]\n\n"
+
+    # ----- shared -----
+
+    async def _collect(self, admitted: _Admitted) -> list:
+        finals: list = [None] * len(admitted.streams)
+        async for i, out in _merge(admitted):
+            finals[i] = out
+        return finals
+
+    def _usage(self, finals: list) -> P.UsageInfo:
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in finals)
+        return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+
+    def _completion_logprobs(self, entries, start_offset: int) -> P.CompletionLogprobs | None:
+        if entries is None:
+            return None
+        lp = P.CompletionLogprobs()
+        offset = start_offset
+        for e in entries:
+            text = self.token_text(e.token_id)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(max(e.logprob, LOGPROB_FLOOR))
+            lp.text_offset.append(offset)
+            offset += len(text)
+            lp.top_logprobs.append({self.token_text(t): max(v, LOGPROB_FLOOR) for t, v in e.top_logprobs.items()}
+                                   if e.top_logprobs else None)
+        return lp
+
+    def _chat_logprobs(self, entries) -> P.ChatLogprobs | None:
+        if entries is None:
+            return None
+        content = []
+        for e in entries:
+            text = self.token_text(e.token_id)
+            top = [P.TopLogprob(token=self.token_text(t), logprob=max(v, LOGPROB_FLOOR),
+                                bytes=list(self.token_text(t).encode()))
+                   for t, v in sorted(e.top_logprobs.items(), key=lambda kv: -kv[1])]
+            content.append(P.ChatTokenLogprob(token=text, logprob=max(e.logprob, LOGPROB_FLOOR),
+                                              bytes=list(text.encode()), top_logprobs=top))
+        return P.ChatLogprobs(content=content)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _merge(admitted: _Admitted) -> AsyncIterator[tuple[int, object]]:
+    """(prompt index, RequestOutput) from all of a call's streams as they arrive; leaving aborts all."""
+    if len(admitted.streams) == 1:
+        try:
+            async for out in admitted.streams[0]:
+                yield 0, out
+        finally:
+            admitted.abort()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(admitted.streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        admitted.abort()

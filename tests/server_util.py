@@ -1,0 +1,133 @@
+"""Start the real server (`python -m kvserve serve ...`) as a subprocess on 127.0.0.1 and a free port.
+
+Servers are shared per configuration across test modules (starting one loads the model: ~20 s on
+two CPU cores) and stopped at the end of the session by the fixtures' finalizers.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+SMALL = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
+# The server most tests share: small model budget, a 1 MiB body limit to test 413 cheaply.
+MAIN_ARGS = [*SMALL, "--max-request-body-bytes", "1MiB", "--disable-log-stats"]
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+    args: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled view of /metrics: `name{labels}` -> value (first sample per series)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return parse_metrics(text)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        total, found = 0.0, False
+        for key, value in self.metrics().items():
+            base, _, rest = key.partition("{")
+            if base != name:
+                continue
+            if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+                total += value
+                found = True
+        if not found:
+            raise KeyError(f"metric {name}{labels} not in /metrics")
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def start_server(*args: str, timeout: float = STARTUP_TIMEOUT_S) -> ServerHandle:
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="kvserve-server-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "kvserve", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log.name, list(args))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} during startup:\n{handle.log()[-4000:]}")
+        try:
+            if httpx.get(f"{handle.url}/health", timeout=2).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    handle.stop()
+    raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{handle.log()[-4000:]}")
+
+
+_SERVERS: dict[tuple[str, ...], ServerHandle] = {}
+
+
+def shared_server(request, *args: str) -> ServerHandle:
+    """The running server for these args, started on first use; stopped when the session ends."""
+    key = tuple(args)
+    handle = _SERVERS.get(key)
+    if handle is None or handle.proc.poll() is not None:
+        handle = _SERVERS[key] = start_server(*args)
+
+        def stop() -> None:
+            _SERVERS.pop(key, None)
+            handle.stop()
+
+        request.addfinalizer(stop)  # call from a session-scoped fixture so modules share it
+    return handle
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last value {last!r})")
