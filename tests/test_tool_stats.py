@@ -1,0 +1,217 @@
+"""`kvserve stats` against a real HTTP server on 127.0.0.1 serving a real prometheus_client registry.
+
+The server applies the next step of a script to its metrics on every scrape, so each poll sees
+known values and the window's rates and verdicts are known exactly.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvserve.tools import stats as stats_tool
+from kvserve.tools.stats import counter_increase, metrics_url
+
+
+class ScriptedMetricsServer:
+    """Serves `registry` at /metrics; calls `step(n)` before the n-th scrape (n from 0)."""
+
+    def __init__(self, registry: CollectorRegistry, step, body: bytes | None = None):
+        owner = self
+        self.scrapes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path != "/metrics":
+                    self.send_error(404)
+                    return
+                step(owner.scrapes)
+                owner.scrapes += 1
+                payload = body if body is not None else generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+USAGE = [0.55, 0.6, 0.7, 0.82, 0.88, 0.9, 0.93, 0.95, 0.97, 0.99]
+
+
+@pytest.fixture
+def busy_server():
+    """vLLM V1 names; two engines (label sets). KV usage climbs past 80 %, 30 % of prefix queries hit,
+    a preemption every third scrape, the queue grows."""
+    reg = CollectorRegistry()
+    usage = Gauge("vllm:kv_cache_usage_perc", "KV blocks in use (0..1)", ["model_name", "engine"], registry=reg)
+    queries = Counter("vllm:prefix_cache_queries", "prefix cache queries, tokens", ["model_name"], registry=reg)
+    hits = Counter("vllm:prefix_cache_hits", "prefix cache hits, tokens", ["model_name"], registry=reg)
+    pre = Counter("vllm:num_preemptions", "preemptions", ["model_name"], registry=reg)
+    running = Gauge("vllm:num_requests_running", "running", ["model_name", "engine"], registry=reg)
+    waiting = Gauge("vllm:num_requests_waiting", "waiting", ["model_name"], registry=reg)
+    for counter in (queries, hits, pre):
+        counter.labels("m")  # export 0 from the first scrape, as a server does
+
+    def step(n):
+        usage.labels("m", "0").set(USAGE[n % 10])
+        usage.labels("m", "1").set(USAGE[n % 10] - 0.1)
+        if n:
+            queries.labels("m").inc(100)
+            hits.labels("m").inc(30)
+            if n % 3 == 0:
+                pre.labels("m").inc()
+        running.labels("m", "0").set(8)
+        running.labels("m", "1").set(4)
+        waiting.labels("m").set(n)
+
+    server = ScriptedMetricsServer(reg, step)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def quiet_server():
+    """Pre-V1 names: gpu_cache_usage_perc and the hit-rate gauge; preemptions from before the window."""
+    reg = CollectorRegistry()
+    usage = Gauge("vllm:gpu_cache_usage_perc", "usage", ["model_name"], registry=reg)
+    rate = Gauge("vllm:gpu_prefix_cache_hit_rate", "hit rate", ["model_name"], registry=reg)
+    Counter("vllm:num_preemptions", "preemptions", ["model_name"], registry=reg).labels("m").inc(5)
+    Gauge("vllm:num_requests_running", "running", ["model_name"], registry=reg).labels("m").set(2)
+    Gauge("vllm:num_requests_waiting", "waiting", ["model_name"], registry=reg).labels("m").set(0)
+
+    def step(n):
+        usage.labels("m").set(0.1 + 0.01 * n)
+        rate.labels("m").set(0.7 + 0.02 * n)
+
+    server = ScriptedMetricsServer(reg, step)
+    yield server
+    server.close()
+
+
+def _run(capsys, *argv) -> tuple[int, dict | str]:
+    rc = stats_tool.main(list(argv))
+    out = capsys.readouterr()
+    if "--json" in argv and rc != 2:
+        return rc, json.loads(out.out)
+    return rc, out.out + out.err
+
+
+def test_busy_server_window_statistics(capsys, busy_server):
+    rc, d = _run(capsys, "--url", busy_server.url, "--samples", "10", "--interval", "0.05", "--json")
+    assert rc == 0 and d["samples"] == 10 and busy_server.scrapes == 10
+    assert d["kv_usage_metric"] == "vllm:kv_cache_usage_perc"
+    u = d["kv_usage"]
+    means = [v - 0.05 for v in USAGE]  # the two engines' average
+    assert u["mean"] == pytest.approx(sum(means) / 10)
+    assert u["p95"] == pytest.approx(0.94) and u["max"] == pytest.approx(0.94) and u["last"] == pytest.approx(0.94)
+    assert d["prefix_hit_rate"] == pytest.approx(0.3) and d["prefix_hit_rate_source"] == "window"
+    assert d["prefix_queries_in_window"] == 900
+    assert d["preemptions_in_window"] == 3  # scrapes 3, 6 and 9
+    assert d["window_s"] >= 0.45 - 0.02
+    assert d["preemptions_per_min"] == pytest.approx(3 * 60 / d["window_s"])
+    assert d["running"]["mean"] == 12 and d["waiting"]["max"] == 9 and d["waiting"]["mean"] == 4.5
+
+
+def test_busy_server_verdicts_and_strict_exit(capsys, busy_server):
+    rc, d = _run(capsys, "--url", busy_server.url, "--samples", "10", "--interval", "0.02", "--json",
+                 "--shared-prefix", "--strict")
+    assert rc == 1
+    warns = [v["message"] for v in d["verdicts"] if v["level"] == "warn"]
+    assert len(warns) == 3
+    assert "eviction pressure" in warns[0] and "P95 KV usage 94%" in warns[0]
+    assert "preemptions rising" in warns[1] and "--max-num-seqs" in warns[1]
+    assert "check prompt layout" in warns[2] and "30%" in warns[2]
+    # Scrapes 10..13 (usage back to 50-77 %, one preemption at 12); without --shared-prefix the
+    # low hit rate is advice, not a warning.
+    rc, d = _run(capsys, "--url", busy_server.url, "--samples", "4", "--interval", "0", "--json")
+    assert [v["level"] for v in d["verdicts"]] == ["ok", "warn", "info"]
+
+
+def test_quiet_server_with_older_vllm_names(capsys, quiet_server):
+    rc, d = _run(capsys, "--url", quiet_server.url + "/metrics", "--samples", "5", "--interval", "0",
+                 "--json", "--strict", "--shared-prefix")
+    assert rc == 0
+    assert d["kv_usage_metric"] == "vllm:gpu_cache_usage_perc"
+    assert d["kv_usage"]["max"] == pytest.approx(0.14) and d["kv_usage"]["mean"] == pytest.approx(0.12)
+    assert d["prefix_hit_rate_source"] == "gauge" and d["prefix_hit_rate"] == pytest.approx(0.74)
+    assert d["preemptions_in_window"] == 0
+    assert [v["level"] for v in d["verdicts"]] == ["ok", "ok", "ok"]
+
+
+def test_hit_rate_since_start_when_the_window_saw_no_queries(capsys):
+    reg = CollectorRegistry()
+    Counter("vllm:prefix_cache_queries", "q", registry=reg).inc(1000)
+    Counter("vllm:prefix_cache_hits", "h", registry=reg).inc(800)
+    Gauge("vllm:kv_cache_usage_perc", "u", registry=reg).set(0.0)
+    server = ScriptedMetricsServer(reg, lambda n: None)
+    try:
+        rc, d = _run(capsys, "--url", server.url, "--samples", "3", "--interval", "0", "--json")
+    finally:
+        server.close()
+    assert d["prefix_hit_rate"] == pytest.approx(0.8) and d["prefix_hit_rate_source"] == "since start"
+    assert d["prefix_queries_in_window"] == 0
+
+
+def test_text_report(capsys, busy_server):
+    rc, out = _run(capsys, "--url", busy_server.url, "--samples", "3", "--interval", "0")
+    assert rc == 0
+    assert "KV usage          mean" in out and "[vllm:kv_cache_usage_perc]" in out
+    assert "prefix hit rate   30.0% (window)" in out and "[warn] preemptions rising" not in out
+
+
+def test_counter_increase_survives_a_reset():
+    assert counter_increase([4, 5, 1, 2]) == 1 + 1 + 2 - 1
+    assert counter_increase([7]) == 0
+    assert counter_increase([0, 3, 3, 10]) == 10
+
+
+def test_metrics_url_forms():
+    assert metrics_url("127.0.0.1:8000") == "http://127.0.0.1:8000/metrics"
+    assert metrics_url("http://h:1/") == "http://h:1/metrics"
+    assert metrics_url("https://h/metrics") == "https://h/metrics"
+
+
+def test_unreachable_server_names_the_url(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    rc, out = _run(capsys, "--url", f"http://127.0.0.1:{port}", "--samples", "2", "--interval", "0")
+    assert rc == 2 and f"cannot reach http://127.0.0.1:{port}/metrics" in out
+
+
+def test_wrong_path_and_non_prometheus_body(capsys, busy_server):
+    rc, out = _run(capsys, "--url", busy_server.url + "/v2", "--samples", "1")
+    assert rc == 2 and "HTTP 404" in out
+    bad = ScriptedMetricsServer(CollectorRegistry(), lambda n: None, body=b"<html>\n<body>hi</body>\n</html>\n")
+    try:
+        rc, out = _run(capsys, "--url", bad.url, "--samples", "1")
+    finally:
+        bad.close()
+    assert rc == 2 and "did not return Prometheus text" in out
+
+
+def test_bad_arguments(capsys):
+    rc, out = _run(capsys, "--url", "http://127.0.0.1:1", "--samples", "0")
+    assert rc == 2 and "--samples >= 1" in out
+
+
+def test_through_the_kvserve_cli(capsys, busy_server):
+    cli = pytest.importorskip("kvserve.cli")
+    rc = cli.main(["stats", "--url", busy_server.url, "--samples", "2", "--interval", "0", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["samples"] == 2
