@@ -1,0 +1,198 @@
+"""Local-disk tier (`--kv-disk-path`, `--kv-disk-size`): one file per block, LRU under a size cap.
+
+Files are written to a temp name and renamed into place, so a reader (or a restart after a crash)
+sees a whole entry or none; a torn write after power loss shows up as a truncated frame, which
+the frame check turns into a counted miss. File names carry the engine fingerprint, so engines
+with different models or KV layouts can share a directory without ever reading each other's
+blocks. The LRU order lives in memory and is rebuilt at start from file mtimes (a hit touches
+the file), which is what lets a restarted server keep serving the prefixes it saw before.
+
+One process per directory: an flock on `.lock` enforces it (two indexes over the same files
+would each evict by their own view of the size). Share blocks across servers through Redis.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections import OrderedDict
+
+from kvserve.config import ConfigError
+from kvserve.kv.tiers.base import Buffer, EngineFingerprint, KVTier, TierUsage
+
+SUFFIX = ".kvb"
+_TMP_SUFFIX = ".tmp"
+_LOCK_NAME = ".lock"
+
+
+class DiskTier(KVTier):
+    name = "disk"
+
+    def __init__(self, fingerprint: EngineFingerprint, path: str | os.PathLike, capacity_bytes: int):
+        if capacity_bytes <= 0:
+            raise ConfigError(f"--kv-disk-size must be a positive size such as 20GiB (got {capacity_bytes} bytes)")
+        super().__init__(fingerprint)
+        self.path = os.fspath(path)
+        self.capacity_bytes = int(capacity_bytes)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--kv-disk-path {self.path!r}: cannot create the directory ({exc.strerror}); "
+                              f"pass a writable directory") from None
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise ConfigError(f"--kv-disk-path {self.path!r} is not writable by this user; pass a writable directory")
+        self._lock_fd = os.open(os.path.join(self.path, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ConfigError(f"--kv-disk-path {self.path!r} is in use by another kvserve process; give each "
+                              f"server its own directory (share KV across servers with --kv-redis-url)") from None
+        self._prefix = fingerprint.hex + "-"
+        self._lru: OrderedDict[str, int] = OrderedDict()  # file name -> size, cold end first
+        self._used = 0
+        self._lock = threading.Lock()
+        self._clock_ns = 0
+        self._rebuild_index()
+
+    def _rebuild_index(self) -> None:
+        found: list[tuple[int, str, int]] = []
+        with os.scandir(self.path) as it:
+            for entry in it:
+                if entry.name.endswith(_TMP_SUFFIX):  # a write interrupted by a crash
+                    _unlink(entry.path)
+                elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, entry.name, st.st_size))
+        found.sort()
+        if found:
+            self._clock_ns = found[-1][0]
+        for _, name, size in found:
+            self._lru[name] = size
+            self._used += size
+        victims = self._evict_locked(0)  # the cap may have shrunk since the last run
+        for victim in victims:
+            _unlink(os.path.join(self.path, victim))
+        if victims:
+            self._count(evictions=len(victims))
+
+    def _stamp(self, path: str) -> None:
+        """Set mtime to a strictly increasing now: the kernel's coarse file clock gives equal
+        mtimes to writes within a few ms, which would lose the LRU order across a restart."""
+        with self._lock:
+            self._clock_ns = max(time.time_ns(), self._clock_ns + 1)
+            stamp = self._clock_ns
+        try:
+            os.utime(path, ns=(stamp, stamp))
+        except FileNotFoundError:  # evicted meanwhile
+            pass
+
+    def file_name(self, key: bytes) -> str:
+        return f"{self._prefix}{key.hex()}{SUFFIX}"
+
+    def _evict_locked(self, incoming: int) -> list[str]:
+        victims = []
+        while self._lru and self._used + incoming > self.capacity_bytes:
+            name, size = self._lru.popitem(last=False)
+            self._used -= size
+            victims.append(name)
+        return victims
+
+    def _store(self, key: bytes, header: bytes, payload: Buffer) -> bool:
+        name = self.file_name(key)
+        size = len(header) + memoryview(payload).nbytes
+        if size > self.capacity_bytes:
+            return False
+        with self._lock:
+            if name in self._lru:  # content-addressed: the stored copy is the same block
+                self._lru.move_to_end(name)
+                return True
+            victims = self._evict_locked(size)
+            # Not fitting after emptying the LRU means the rest is reserved by writes in flight.
+            fits = self._used + size <= self.capacity_bytes
+            if fits:
+                self._used += size  # reserve before writing so concurrent puts cannot overcommit
+        for victim in victims:
+            _unlink(os.path.join(self.path, victim))
+        if victims:
+            self._count(evictions=len(victims))
+        if not fits:
+            return False
+        final = os.path.join(self.path, name)
+        tmp = os.path.join(self.path, f".{name}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, final)
+            self._stamp(final)
+        except BaseException:
+            _unlink(tmp)
+            with self._lock:
+                self._used -= size
+            raise
+        with self._lock:
+            if name in self._lru:  # a concurrent put of the same block landed first
+                self._used -= size
+            else:
+                self._lru[name] = size
+        return True
+
+    def _load(self, key: bytes) -> Buffer | None:
+        name = self.file_name(key)
+        with self._lock:
+            if name not in self._lru:
+                return None
+            self._lru.move_to_end(name)
+        path = os.path.join(self.path, name)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                blob = bytearray(size)  # writable: tensors unpacked from it need no copy
+                got = f.readinto(blob)
+            self._stamp(path)  # persist the LRU order for the next start
+        except FileNotFoundError:  # removed behind our back: forget it
+            self._forget(name)
+            return None
+        except OSError as exc:  # an I/O error costs this block a recompute, not the whole batch
+            self._count(errors=1)
+            self._log_once("read", f"disk tier: cannot read {path} ({exc.strerror}); treating as a miss")
+            return None
+        return blob if got == size else memoryview(blob)[:got]
+
+    def _contains(self, key: bytes) -> bool:
+        with self._lock:
+            return self.file_name(key) in self._lru
+
+    def _delete(self, key: bytes) -> bool:
+        name = self.file_name(key)
+        if not self._forget(name):
+            return False
+        _unlink(os.path.join(self.path, name))
+        return True
+
+    def _forget(self, name: str) -> bool:
+        with self._lock:
+            size = self._lru.pop(name, None)
+            if size is None:
+                return False
+            self._used -= size
+            return True
+
+    def _usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self._used, self.capacity_bytes, len(self._lru))
+
+    def _close(self) -> None:
+        if self._lock_fd >= 0:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

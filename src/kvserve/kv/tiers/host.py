@@ -1,0 +1,138 @@
+"""Host-RAM tier (`--swap-space` GiB): the first level below the device pool.
+
+Entries live in uint8 torch tensors (page-locked on CUDA, so a restore is a DMA straight from
+them), kept in an LRU under a byte budget. Every operation is O(1) amortised: an OrderedDict
+gives LRU order, eviction pops from its cold end.
+
+Swap preemption needs entries that must not be evicted while their request waits: `put_held`
+stores one outside the LRU (it still counts against the budget) until `release` or `delete`.
+Checksums are not verified on read by default: this memory is the engine's own; the frame's
+fingerprint, key and length are still checked.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.config import ConfigError
+from kvserve.kv.tiers.base import Buffer, EngineFingerprint, KVTier, TierUsage
+
+
+class HostTier(KVTier):
+    name = "host"
+
+    def __init__(self, fingerprint: EngineFingerprint, capacity_bytes: int, *,
+                 pin_memory: bool | None = None, verify_checksums: bool = False):
+        if capacity_bytes <= 0:
+            raise ConfigError(f"the host KV tier needs a positive budget (got {capacity_bytes} bytes); "
+                              f"set --swap-space to a size in GiB greater than 0, or leave the tier off")
+        super().__init__(fingerprint, verify_checksums=verify_checksums)
+        self.capacity_bytes = int(capacity_bytes)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._lru: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # cold end first
+        self._held: dict[bytes, torch.Tensor] = {}
+        self._used = 0
+        self._held_bytes = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_gib(cls, fingerprint: EngineFingerprint, swap_space_gib: float, **kwargs: Any) -> "HostTier":
+        return cls(fingerprint, int(swap_space_gib * 1024**3), **kwargs)
+
+    def put_held(self, key: bytes, payload: Buffer) -> bool:
+        """Store an entry that LRU eviction must not touch (a swapped-out request's block)."""
+        return self._put(key, payload, held=True)
+
+    def release(self, key: bytes) -> bool:
+        """Make a held entry evictable again (it becomes the most recently used)."""
+        with self._lock:
+            entry = self._held.pop(key, None)
+            if entry is None:
+                return False
+            self._held_bytes -= entry.numel()
+            self._lru[key] = entry
+            return True
+
+    def _store(self, key: bytes, header: bytes, payload: Buffer, held: bool = False) -> bool:
+        size = len(header) + memoryview(payload).nbytes
+        with self._lock:
+            if key in self._lru or key in self._held:
+                if held and key in self._lru:  # promote the present copy rather than store it twice
+                    entry = self._lru.pop(key)
+                    self._held[key] = entry
+                    self._held_bytes += entry.numel()
+                elif key in self._lru:
+                    self._lru.move_to_end(key)
+                return True
+            if size > self.capacity_bytes - self._held_bytes:
+                return False
+            evicted = 0
+            while self._used + size > self.capacity_bytes:
+                if not self._lru:  # the rest is held or reserved by puts in flight
+                    self._count(evictions=evicted)
+                    return False
+                _, victim = self._lru.popitem(last=False)
+                self._used -= victim.numel()
+                evicted += 1
+            # Reserve the bytes now so a concurrent put cannot overcommit while we copy.
+            self._used += size
+        if evicted:
+            self._count(evictions=evicted)
+        try:
+            entry = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+            # numpy assignment is a memcpy; torch's uint8 copy_ is far slower on a busy CPU.
+            dst = entry.numpy()
+            dst[:len(header)] = np.frombuffer(header, dtype=np.uint8)
+            dst[len(header):] = np.frombuffer(payload, dtype=np.uint8)
+        except BaseException:
+            with self._lock:
+                self._used -= size
+            raise
+        with self._lock:
+            if key in self._lru or key in self._held:  # a concurrent put of the same block won
+                self._used -= size
+            elif held:
+                self._held[key] = entry
+                self._held_bytes += size
+            else:
+                self._lru[key] = entry
+        return True
+
+    def _load(self, key: bytes) -> Buffer | None:
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:
+                self._lru.move_to_end(key)
+            else:
+                entry = self._held.get(key)
+        # numpy() shares memory with the tensor; the view keeps it alive past an eviction.
+        return None if entry is None else memoryview(entry.numpy())
+
+    def _contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._lru or key in self._held
+
+    def _delete(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self._lru.pop(key, None)
+            if entry is None:
+                entry = self._held.pop(key, None)
+                if entry is None:
+                    return False
+                self._held_bytes -= entry.numel()
+            self._used -= entry.numel()
+            return True
+
+    def _usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self._used, self.capacity_bytes, len(self._lru) + len(self._held))
+
+    def _close(self) -> None:
+        with self._lock:
+            self._lru.clear()
+            self._held.clear()
+            self._used = self._held_bytes = 0
