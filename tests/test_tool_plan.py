@@ -238,3 +238,14 @@ def test_text_output_names_the_figures(capsys):
     assert plan_tool.main(["Llama-3-70B", "--dtype", "float16", "--kv-cache-memory", "40GiB"]) == 0
     out = capsys.readouterr().out
     assert "327,680" in out and "kv dtype" in out and "int4" in out
+
+
+def test_corrupt_gguf_and_bare_directory_are_named(capsys, tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    assert plan_tool.main([str(bad)]) == 2
+    assert "not a readable GGUF file" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert plan_tool.main([str(empty)]) == 2
+    assert "has no config.json" in capsys.readouterr().err

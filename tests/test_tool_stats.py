@@ -215,3 +215,47 @@ def test_through_the_kvserve_cli(capsys, busy_server):
     cli = pytest.importorskip("kvserve.cli")
     rc = cli.main(["stats", "--url", busy_server.url, "--samples", "2", "--interval", "0", "--json"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["samples"] == 2
+
+
+@pytest.mark.slow
+def test_against_the_real_kvserve_server(request, tmp_path):
+    """stats samples a live `kvserve serve` under a shared-system-prompt load; analyze reads the
+    --request-log it wrote and agrees with the usage the API returned."""
+    httpx = pytest.importorskip("httpx")
+    from server_util import SMALL, shared_server, wait_until
+
+    from kvserve.tools.analyze import read_request_log, simulate_prefix_cache
+    from kvserve.tools.stats import sample, summarize
+
+    log_path = tmp_path / "requests.jsonl"
+    server = shared_server(request, *SMALL, "--disable-log-stats", "--request-log", str(log_path))
+    model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    system = "You are a careful assistant for a hardware store. " * 20
+    result = {}
+    sampler = threading.Thread(target=lambda: result.update(
+        zip(("scrapes", "failed"), sample(metrics_url(server.url), samples=12, interval=0.25, timeout=10))))
+    sampler.start()
+    usages = []
+    for i in range(6):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": f"{system}\nQuestion {i}: what is a hammer for?", "max_tokens": 4,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    sampler.join(timeout=60)
+
+    report = summarize(server.url, result["scrapes"], result["failed"], shared_prefix=True)
+    assert report.kv_usage_metric == "vllm:kv_cache_usage_perc" and 0 <= report.kv_usage.max <= 1
+    assert report.prefix_queries_in_window > 0 and report.prefix_hit_rate > 0.5
+    assert report.preemptions_in_window == 0 and report.running is not None
+
+    wait_until(lambda: log_path.exists() and len(log_path.read_text().splitlines()) >= 6, 10,
+               what="6 request-log lines")
+    log = read_request_log(str(log_path))
+    assert [r.prompt_len for r in log.records] == [u["prompt_tokens"] for u in usages]
+    assert [r.output_len for r in log.records] == [u["completion_tokens"] for u in usages]
+    served = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usages]
+    assert [r.cached_tokens for r in log.records] == served and sum(served) > 0
+    # kvserve also serves partial blocks, so it hits at least what a block-aligned cache would.
+    simulated = simulate_prefix_cache([r.prompt_token_ids for r in log.records], 16)
+    assert 0 < simulated.hit_tokens <= sum(served)

@@ -6,6 +6,7 @@ the models' published config.json files.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, replace
@@ -219,6 +220,15 @@ def _gguf_value(reader, key: str):
 
 
 def model_spec_from_gguf(path: str) -> ModelSpec:
+    st = os.stat(path)
+    spec = _gguf_spec(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    return replace(spec, config=replace(spec.config, eos_token_ids=list(spec.config.eos_token_ids)), source=path)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_spec(path: str, size: int, mtime_ns: int) -> ModelSpec:
+    """GGUFReader parses every metadata array (the vocabulary too): seconds on a large
+    tokenizer, so a file is read once per (path, size, mtime)."""
     try:
         from gguf import GGUFReader
         reader = GGUFReader(path)
