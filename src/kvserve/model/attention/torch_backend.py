@@ -1,0 +1,137 @@
+"""Paged attention with `F.scaled_dot_product_attention`: runs anywhere torch runs.
+
+Prefill chunks are attended one sequence at a time over that sequence's gathered blocks, with a
+causal mask offset by the chunk's start position. All decodes of a step share ONE SDPA call over
+their gathered block tables (padded to the longest), with a per-row length mask.
+
+A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` only when
+`0 <= qp - kp < window`; blocks wholly left of every query's window are not gathered at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.model.kv_cache import KVCache
+
+
+@dataclass
+class _PrefillPlan:
+    rows: slice  # token rows of this sequence
+    block_ids: torch.Tensor | None  # blocks to gather; None: the chunk is the whole context
+    key_len: int  # keys taken from the gathered (or fresh) K/V
+    mask: torch.Tensor | None  # [n, key_len] bool; None: plain causal over a square chunk
+
+
+@dataclass
+class _DecodePlan:
+    token_ids: torch.Tensor  # [Nd] token rows of the decodes
+    block_ids: torch.Tensor  # [Nd * nb] blocks to gather, row-major
+    keys_per_row: int  # nb * block_size
+    mask: torch.Tensor  # [Nd, 1, 1, keys_per_row] bool
+
+
+class TorchAttentionBackend(AttentionBackend):
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        kv_cache.write(layer, meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        prefills, decode = self._plans(meta)
+        for plan in prefills:
+            out[plan.rows] = self._prefill(layer, plan, q, k, v, kv_cache)
+        if decode is not None:
+            out[decode.token_ids] = self._decode(layer, decode, q, kv_cache)
+        return out
+
+    # -- per-step planning (same for every layer, so built once and cached in the metadata) --
+
+    def _plans(self, meta: AttentionMetadata) -> tuple[list[_PrefillPlan], _DecodePlan | None]:
+        key = "torch_backend"
+        if key not in meta.backend_state:
+            prefills = [self._plan_prefill(meta, i) for i in meta.prefill_seq_ids]
+            decode = self._plan_decode(meta) if meta.num_decodes else None
+            meta.backend_state[key] = (prefills, decode)
+        return meta.backend_state[key]
+
+    def _first_visible_block(self, first_query_pos: int, block_size: int) -> int:
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query_pos - self.sliding_window + 1) // block_size
+
+    def _plan_prefill(self, meta: AttentionMetadata, i: int) -> _PrefillPlan:
+        start, n, seq_len, bs = meta.start_pos[i], meta.query_lens[i], meta.seq_lens[i], meta.block_size
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        dev = meta.positions.device
+        if start == 0:
+            # The chunk is the whole context: attend to the fresh K/V, no gather needed.
+            block_ids, first_key = None, 0
+        else:
+            first_blk = self._first_visible_block(start, bs)
+            last_blk = -(-seq_len // bs)
+            block_ids = meta.block_tables[i, first_blk:last_blk]
+            first_key = first_blk * bs
+        key_len = seq_len - first_key
+        if start == 0 and self.sliding_window is None:
+            return _PrefillPlan(rows, None, key_len, None)
+        q_pos = torch.arange(start, seq_len, device=dev)
+        k_pos = torch.arange(first_key, seq_len, device=dev)
+        dist = q_pos[:, None] - k_pos[None, :]
+        mask = dist >= 0
+        if self.sliding_window is not None:
+            mask &= dist < self.sliding_window
+        return _PrefillPlan(rows, block_ids, key_len, mask)
+
+    def _plan_decode(self, meta: AttentionMetadata) -> _DecodePlan:
+        bs = meta.block_size
+        seqs_np = meta.decode_seq_ids.cpu().numpy()
+        seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)[seqs_np]
+        q_pos = seq_lens - 1
+        if self.sliding_window is None:
+            first_blk = np.zeros_like(seq_lens)
+        else:
+            first_blk = np.maximum(q_pos - self.sliding_window + 1, 0) // bs
+        nb = int((-(-seq_lens // bs) - first_blk).max())
+        dev = meta.block_tables.device
+        col = torch.from_numpy(first_blk).to(dev)[:, None] + torch.arange(nb, device=dev)  # [Nd, nb]
+        tables = meta.block_tables[meta.decode_seq_ids]
+        # Columns past a row's table are clamped to a real block; their keys are masked below.
+        block_ids = tables.gather(1, col.clamp(max=tables.shape[1] - 1))
+        k_pos = (col[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(len(seqs_np), nb * bs)
+        dist = torch.from_numpy(q_pos).to(dev)[:, None] - k_pos
+        mask = dist >= 0
+        if self.sliding_window is not None:
+            mask &= dist < self.sliding_window
+        return _DecodePlan(meta.decode_token_ids, block_ids.reshape(-1), nb * bs,
+                           mask[:, None, None, :])
+
+    # -- attention --
+
+    def _prefill(self, layer: int, plan: _PrefillPlan, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        qs = q[plan.rows].transpose(0, 1)  # [Hq, n, D]
+        if plan.block_ids is None:
+            ks, vs = k[plan.rows], v[plan.rows]
+        else:
+            ks, vs = kv_cache.gather(layer, plan.block_ids)
+            ks, vs = ks[:plan.key_len], vs[:plan.key_len]
+        ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [Hkv, L, D]
+        o = F.scaled_dot_product_attention(
+            qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=plan.mask,
+            is_causal=plan.mask is None, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)  # [n, Hq, D]
+
+    def _decode(self, layer: int, plan: _DecodePlan, q: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        nd = plan.token_ids.numel()
+        qd = q[plan.token_ids].unsqueeze(2)  # [Nd, Hq, 1, D]
+        ks, vs = kv_cache.gather(layer, plan.block_ids)
+        ks = ks.view(nd, plan.keys_per_row, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        vs = vs.view(nd, plan.keys_per_row, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=plan.mask, scale=self.scale,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[:, :, 0]  # [Nd, Hq, D]

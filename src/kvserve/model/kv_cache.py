@@ -1,0 +1,185 @@
+"""The preallocated K/V pool tensors that the paged attention reads and writes.
+
+The KV cache *manager* (kvserve.kv.manager) decides which block ids a request owns; this module
+only holds the tensors those ids index. Block `b` holds token slots
+`b*block_size .. b*block_size + block_size - 1`.
+
+Layout: one tensor `[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`.
+Keeping tokens of a block contiguous with heads innermost means a write is one `index_copy_`
+over flattened slots, a gather is one `index_select` over blocks that yields `[tokens, H, D]` in
+the order SDPA's `[B, H, L, D]` view wants after a transpose, and `copy_blocks` moves the
+same slots of every layer, K and V, in a single indexed assignment.
+
+Quantized variants (fp8 / int8 / int4) implement `KVCache` in their own module and register
+themselves with `register_kv_cache`; `create_kv_cache` picks the class by `kv_cache_dtype`.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence
+
+import torch
+
+from kvserve.config import KV_CACHE_DTYPES, ConfigError, ModelConfig
+from kvserve.engine.scheduler_output import BlockCopy
+
+# Module that holds the quantized caches; imported on first request for a non-"auto" dtype so
+# that it can register itself without this file naming its classes.
+QUANTIZED_KV_CACHE_MODULE = "kvserve.model.kv_cache_quant"
+
+
+class KVCache(ABC):
+    """Interface every KV cache (full precision or quantized) offers to attention backends."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # compute dtype that `gather` returns
+    device: torch.device
+
+    @abstractmethod
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v `[T, num_kv_heads, head_dim]` at flat slots `slot_mapping` `[T]` of `layer`."""
+
+    @abstractmethod
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of exactly `block_ids` (in that order), contiguous
+        `[len(block_ids) * block_size, num_kv_heads, head_dim]` in the compute dtype."""
+
+    @abstractmethod
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """For each copy: the first `num_tokens` slots of `src` -> `dst`, in every layer."""
+
+    @staticmethod
+    @abstractmethod
+    def bytes_per_block(model_config: ModelConfig, block_size: int, kv_cache_dtype: str,
+                        model_dtype: torch.dtype) -> int:
+        """True bytes one block takes across all layers, K and V, including any scales."""
+
+    def check_block_ids(self, block_ids: torch.Tensor) -> None:
+        if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= self.num_blocks):
+            raise IndexError(f"block id out of range [0, {self.num_blocks}): "
+                             f"min {int(block_ids.min())}, max {int(block_ids.max())}")
+
+
+def _copy_slot_indices(copies: Sequence[BlockCopy], block_size: int, num_blocks: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat source and destination slot indices for a list of block copies (vectorised)."""
+    src, dst, n = (torch.tensor(col, dtype=torch.long) for col in zip(*copies))
+    if int(n.min()) < 0 or int(n.max()) > block_size:
+        raise ValueError(f"BlockCopy.num_tokens must be in [0, {block_size}], got {n.tolist()}")
+    for name, ids in (("src", src), ("dst", dst)):
+        if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+            raise IndexError(f"BlockCopy.{name} out of range [0, {num_blocks}): {ids.tolist()}")
+    offsets = torch.arange(block_size)
+    keep = offsets[None, :] < n[:, None]  # [C, block_size]
+    src_slots = (src[:, None] * block_size + offsets)[keep]
+    dst_slots = (dst[:, None] * block_size + offsets)[keep]
+    return src_slots, dst_slots
+
+
+class PagedKVCache(KVCache):
+    """Full-precision paged KV cache (`kv_cache_dtype="auto"`: stored in the model dtype)."""
+
+    def __init__(self, model_config: ModelConfig, *, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 kv_cache_dtype: str = "auto") -> None:
+        if kv_cache_dtype != "auto":
+            raise ConfigError(f"PagedKVCache stores the model dtype (kv_cache_dtype='auto'), got "
+                              f"{kv_cache_dtype!r}; build quantized caches with create_kv_cache")
+        if num_blocks < 1:
+            raise ConfigError(f"the KV cache needs at least 1 block, got num_blocks={num_blocks}; "
+                              f"raise --kv-cache-memory or --num-gpu-blocks-override")
+        self.num_layers = model_config.num_hidden_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = model_config.num_key_value_heads
+        self.head_dim = model_config.head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # zeros, not empty: padded gathers read unused blocks and must not meet NaN bit patterns
+        # (0 * NaN in the masked softmax·V product would poison the output).
+        self.kv = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
+                              self.head_dim, dtype=dtype, device=self.device)
+        # [layers, 2, slots, H, D] view for slot-addressed writes and copies.
+        self._slots = self.kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads,
+                                   self.head_dim)
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._slots[layer, 0].index_copy_(0, slot_mapping, k.to(self.dtype))
+        self._slots[layer, 1].index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (block_ids.numel() * self.block_size, self.num_kv_heads, self.head_dim)
+        k = self.kv[layer, 0].index_select(0, block_ids).view(shape)
+        v = self.kv[layer, 1].index_select(0, block_ids).view(shape)
+        return k, v
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        if not copies:
+            return
+        src_slots, dst_slots = _copy_slot_indices(copies, self.block_size, self.num_blocks)
+        src_slots, dst_slots = src_slots.to(self.device), dst_slots.to(self.device)
+        # The right-hand side is gathered before any write, so chains (a->b, b->c) read old data.
+        self._slots[:, :, dst_slots] = self._slots[:, :, src_slots]
+
+    @staticmethod
+    def bytes_per_block(model_config: ModelConfig, block_size: int, kv_cache_dtype: str,
+                        model_dtype: torch.dtype) -> int:
+        if kv_cache_dtype != "auto":
+            raise ConfigError(f"PagedKVCache stores the model dtype only (kv_cache_dtype='auto'), "
+                              f"got {kv_cache_dtype!r}")
+        element = torch.empty((), dtype=model_dtype).element_size()
+        return int(block_size * model_config.kv_bytes_per_token(element))
+
+
+# kv_cache_dtype -> class. "auto" is always here; quantized classes add themselves.
+_KV_CACHE_CLASSES: dict[str, type[KVCache]] = {"auto": PagedKVCache}
+
+
+def register_kv_cache(*kv_cache_dtypes: str) -> Callable[[type[KVCache]], type[KVCache]]:
+    """Class decorator: make `create_kv_cache` build this class for these kv_cache_dtype names."""
+    def deco(cls: type[KVCache]) -> type[KVCache]:
+        for name in kv_cache_dtypes:
+            if name not in KV_CACHE_DTYPES:
+                raise ValueError(f"unknown kv_cache_dtype {name!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+            _KV_CACHE_CLASSES[name] = cls
+        return cls
+    return deco
+
+
+def kv_cache_class(kv_cache_dtype: str) -> type[KVCache]:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
+                          f"(got {kv_cache_dtype!r})")
+    if kv_cache_dtype not in _KV_CACHE_CLASSES:
+        try:
+            importlib.import_module(QUANTIZED_KV_CACHE_MODULE)
+        except ModuleNotFoundError as e:
+            if e.name != QUANTIZED_KV_CACHE_MODULE:
+                raise
+    cls = _KV_CACHE_CLASSES.get(kv_cache_dtype)
+    if cls is None:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is not yet supported; "
+                          f"use --kv-cache-dtype auto")
+    return cls
+
+
+def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, kv_cache_dtype: str,
+                             model_dtype: torch.dtype) -> int:
+    """Bytes per block for sizing the pool before the cache exists."""
+    cls = kv_cache_class(kv_cache_dtype)
+    return cls.bytes_per_block(model_config, block_size, kv_cache_dtype, model_dtype)
+
+
+def create_kv_cache(model_config: ModelConfig, *, num_blocks: int, block_size: int,
+                    kv_cache_dtype: str = "auto", dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> KVCache:
+    """Build the cache for `kv_cache_dtype`; `dtype` is the model (compute) dtype."""
+    cls = kv_cache_class(kv_cache_dtype)
+    # Every registered class takes this constructor signature.
+    return cls(model_config, num_blocks=num_blocks, block_size=block_size,  # type: ignore[call-arg]
+               dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)

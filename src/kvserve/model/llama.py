@@ -1,0 +1,148 @@
+"""Llama / Mistral / Qwen2 decoder over the flattened tokens of every sequence in a step.
+
+Numerics follow transformers' modeling_llama so that float32 logits agree to ~1e-5: RMSNorm in
+float32 then cast back before the weight, RoPE with the rotate-half convention and cos/sin cast to
+the activation dtype, residual stream in the model dtype. Q/K/V and gate/up projections are fused
+at load time so each is one matmul.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ModelConfig
+from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.model.attention.torch_backend import TorchAttentionBackend
+from kvserve.model.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2] in float32, as transformers computes them."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("default", None):
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported "
+                              f"(supported: default, linear, llama3)")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, 1, D/2]. Same as HF's x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class _Layer:
+    """One decoder layer's weights, fused and cast."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, take) -> None:
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        self.qkv_weight = torch.cat([take(a + f"{p}_proj.weight") for p in "qkv"])
+        biases = [w.get(a + f"{p}_proj.bias") for p in "qkv"]
+        if any(b is not None for b in biases) and not all(b is not None for b in biases):
+            raise ValueError(f"{a}: q/k/v biases must be all present or all absent")
+        self.qkv_bias = torch.cat([take(a + f"{p}_proj.bias") for p in "qkv"]) if biases[0] is not None else None
+        self.o_weight = take(a + "o_proj.weight")
+        self.o_bias = take(a + "o_proj.bias") if a + "o_proj.bias" in w else None
+        self.gate_up_weight = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        self.down_weight = take(m + "down_proj.weight")
+        self.input_norm = take(prefix + "input_layernorm.weight")
+        self.post_attn_norm = take(prefix + "post_attention_layernorm.weight")
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu",
+                 attention_backend: AttentionBackend | None = None) -> None:
+        if config.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {config.architecture!r} is not supported; "
+                             f"kvserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"weight {name!r} missing from the checkpoint of {config.name}")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        c = config
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+        expect_qkv = self.q_size + 2 * self.kv_size
+        self.embed_tokens = take("model.embed_tokens.weight")
+        self.layers = [_Layer(weights, f"model.layers.{i}.", take) for i in range(c.num_hidden_layers)]
+        for i, layer in enumerate(self.layers):
+            if layer.qkv_weight.shape != (expect_qkv, c.hidden_size):
+                raise ValueError(f"layer {i}: fused qkv weight is {tuple(layer.qkv_weight.shape)}, "
+                                 f"config implies ({expect_qkv}, {c.hidden_size}); check head_dim / heads")
+        self.norm = take("model.norm.weight")
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = take("lm_head.weight")
+        self.inv_freq = rope_inv_freq(c).to(self.device)
+        self.attn = attention_backend or TorchAttentionBackend(
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, scale=c.head_dim ** -0.5,
+            sliding_window=c.sliding_window)
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 like HF
+        return freqs.cos().to(self.dtype)[:, None, :], freqs.sin().to(self.dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        c = self.config
+        t = input_ids.shape[0]
+        cos, sin = self.rope_cos_sin(positions)
+        h = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            residual = h
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
+            v = v.reshape(t, c.num_key_value_heads, c.head_dim)
+            o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
+            h = residual + F.linear(o.reshape(t, self.q_size), layer.o_weight, layer.o_bias)
+            residual = h
+            x = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
+            h = residual + F.linear(F.silu(gate) * up, layer.down_weight)
+        return rms_norm(h, self.norm, c.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] of the rows that sample -> float32 logits [N, vocab]."""
+        return F.linear(hidden_rows, self.lm_head).float()
