@@ -253,6 +253,9 @@ def _concurrency_gain(args, rec_len: int, mean_len: int, report: AnalyzeReport) 
     if not rec.fits:
         report.warnings.append(f"the recommended --max-model-len {rec_len} does not fit in the KV budget; the "
                                f"largest length that fits is {rec.max_fitting_len}")
+    if rec.max_concurrency_at_mean and rec.max_concurrency_at_mean > args.max_num_seqs:
+        report.warnings.append(f"at the log's mean length the cache holds {rec.max_concurrency_at_mean:,.0f} requests, "
+                               f"more than --max-num-seqs {args.max_num_seqs}: the scheduler, not KV, is the limit")
     return ConcurrencyGain(cfg.name, budget.kv_cache_memory, budget.source, args.kv_cache_dtype, rec, base,
                            rec.max_concurrency / base.max_concurrency if base.max_concurrency else math.inf)
 
