@@ -129,8 +129,6 @@ def test_plan_fit_verdict_matches_engine_refusal():
         _engine_budget(SMOL, mem, 16, "auto", 4545)
 
 
-@pytest.mark.xfail(strict=True, reason="engine KVBudget.max_concurrency is num_tokens / max_model_len; vLLM and "
-                                       "plan_kv use num_blocks / ceil(max_model_len / block_size)")
 def test_concurrency_counts_whole_blocks_like_vllm():
     mem = 100 * 368_640
     plan = plan_kv(SMOL, mem, 16, "auto", "bfloat16", 1000)  # 63 blocks per request, not 62.5

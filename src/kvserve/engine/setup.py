@@ -25,7 +25,8 @@ class KVBudget:
 
     @property
     def max_concurrency(self) -> float:
-        return self.num_tokens / self.max_model_len
+        # vLLM's figure: whole blocks per request, since a request never shares its last block.
+        return self.num_blocks / -(-self.max_model_len // self.block_size)
 
 
 @dataclass
