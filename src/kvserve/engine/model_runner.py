@@ -22,7 +22,10 @@ from kvserve.model.sampler import Sampler, SamplingRow
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype, device: torch.device | str, block_size: int, num_blocks: int,
-                 kv_cache_dtype: str = "auto", seed: int = 0) -> None:
+                 kv_cache_dtype: str = "auto", seed: int = 0,
+                 kv_cache_options: dict | None = None) -> None:
+        """`kv_cache_options` pass through to the cache class (quantized caches:
+        num_residual_blocks, kv_scales, ...); see kvserve.model.kv_cache_quant."""
         self.model_config = model_config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -30,7 +33,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.model = LlamaModel(model_config, weights, dtype, self.device)
         self.kv_cache = create_kv_cache(model_config, num_blocks=num_blocks, block_size=block_size,
-                                        kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=self.device)
+                                        kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=self.device,
+                                        **(kv_cache_options or {}))
         self.bytes_per_block: int = self.kv_cache.bytes_per_block(model_config, block_size,
                                                                   kv_cache_dtype, dtype)
         self.sampler = Sampler(seed, self.device)

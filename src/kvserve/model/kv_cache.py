@@ -177,9 +177,10 @@ def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, kv_cach
 
 def create_kv_cache(model_config: ModelConfig, *, num_blocks: int, block_size: int,
                     kv_cache_dtype: str = "auto", dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> KVCache:
-    """Build the cache for `kv_cache_dtype`; `dtype` is the model (compute) dtype."""
+                    device: torch.device | str = "cpu", **options) -> KVCache:
+    """Build the cache for `kv_cache_dtype`; `dtype` is the model (compute) dtype. `options` go
+    to the class as they are (e.g. a quantized cache's num_residual_blocks or kv_scales)."""
     cls = kv_cache_class(kv_cache_dtype)
     # Every registered class takes this constructor signature.
     return cls(model_config, num_blocks=num_blocks, block_size=block_size,  # type: ignore[call-arg]
-               dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+               dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, **options)
