@@ -1,0 +1,238 @@
+"""Paged attention with Triton kernels: the CUDA drop-in for `TorchAttentionBackend`.
+
+Same interface and semantics as the torch backend (see base.py): every layer first writes the
+step's K/V into the pool (`reshape_and_cache_kernel`), then all 1-token chunks go through ONE
+decode launch and all longer chunks through ONE varlen prefill launch; both read K/V through
+the block tables in place, with no gather copy. Sliding window: a key at `kp` is visible from a
+query at `qp` only when `0 <= qp - kp < window`.
+
+This module imports without triton and without CUDA; `triton_support(device)` says whether the
+backend can run and, if not, what to change. On CPU the kernels run only under triton's
+interpreter (`TRITON_INTERPRET=1`, set before triton is imported): slow, meant for testing.
+The backend reads full-precision pools only (`PagedKVCache`, `--kv-cache-dtype auto`).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kvserve.config import ConfigError, ModelConfig
+from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.model.attention.torch_backend import TorchAttentionBackend
+from kvserve.model.kv_cache import KVCache, PagedKVCache
+
+TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
+KERNELS_MODULE = "kvserve.model.attention.triton_kernels"
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
+# tl.dot needs every dimension >= 16 on NVIDIA GPUs; tiles are padded up to it.
+_MIN_DOT_DIM = 16
+
+
+@dataclass(frozen=True)
+class TritonSupport:
+    available: bool
+    mode: str  # "cuda" | "interpreter" | "" when unavailable
+    reason: str  # when unavailable: what is missing and what to change
+
+
+def interpreter_enabled() -> bool:
+    # Same truthy spellings as triton's own knob parsing.
+    return os.environ.get(TRITON_INTERPRET_ENV, "0").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+def triton_support(device: torch.device | str) -> TritonSupport:
+    """Whether the triton backend can run on `device` in this process, and how."""
+    dev = torch.device(device)
+    if importlib.util.find_spec("triton") is None:
+        return TritonSupport(False, "", "the triton attention backend needs the `triton` package "
+                                        "(pip install triton), or use --attention-backend torch")
+    if interpreter_enabled():
+        return TritonSupport(True, "interpreter", "")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return TritonSupport(False, "", f"device {dev} was requested but torch sees no CUDA GPU; "
+                                            f"use --device cpu with --attention-backend torch")
+        return TritonSupport(True, "cuda", "")
+    return TritonSupport(False, "", (
+        f"the triton attention backend compiles for CUDA GPUs, and device {dev} is not one; on CPU "
+        f"it runs only under triton's interpreter: set the environment variable "
+        f"{TRITON_INTERPRET_ENV}=1 before starting (very slow, for testing), or use "
+        f"--attention-backend torch"))
+
+
+def _load_kernels(support: TritonSupport) -> ModuleType:
+    kernels = importlib.import_module(KERNELS_MODULE)
+    interpreted = type(kernels.paged_decode_kernel).__name__ == "InterpretedFunction"
+    if support.mode == "interpreter" and not interpreted:
+        raise ConfigError(f"{TRITON_INTERPRET_ENV}=1 was set after {KERNELS_MODULE} had been "
+                          f"imported (compiled kernels); set it before the process imports triton")
+    return kernels
+
+
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclass
+class _StepPlan:
+    """Per-step launch inputs, shared by every layer (cached in `meta.backend_state`)."""
+    num_decodes: int
+    decode_seq_ids: torch.Tensor  # [Nd]
+    decode_token_rows: torch.Tensor  # [Nd]
+    num_prefills: int
+    prefill_seq_ids: torch.Tensor  # [Np]
+    max_prefill_len: int
+    query_start_loc: torch.Tensor  # [S+1]
+
+
+class TritonAttentionBackend(AttentionBackend):
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, *, device: torch.device | str = "cuda",
+                 block_m: int | None = None, block_n: int | None = None) -> None:
+        """`block_m` query rows and `block_n` keys per prefill tile (powers of two >= 16; the
+        decode tile uses `block_n`). Defaults: 64, or 32 for head_dim > 128 (shared memory)."""
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        support = triton_support(device)
+        if not support.available:
+            raise ConfigError(support.reason)
+        self.mode = support.mode
+        self._kernels = _load_kernels(support)
+        self.group = num_heads // num_kv_heads
+        self.group_pad = _pow2_at_least(self.group, _MIN_DOT_DIM)
+        self.d_pad = _pow2_at_least(head_dim, _MIN_DOT_DIM)
+        default_tile = 64 if self.d_pad <= 128 else 32
+        self.block_m = block_m or default_tile
+        self.block_n = block_n or default_tile
+        for name, val in (("block_m", self.block_m), ("block_n", self.block_n)):
+            if val < _MIN_DOT_DIM or val & (val - 1):
+                raise ValueError(f"{name} must be a power of two >= {_MIN_DOT_DIM}, got {val}")
+        self.window = sliding_window or 0  # 0: no window (constexpr-friendly)
+        self.qk_scale_log2 = float(scale) * _LOG2E
+
+    # -- interface --
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        k_pool, v_pool = self._pools(kv_cache, layer)
+        self.write_kv(k, v, k_pool, v_pool, meta.slot_mapping)
+        out = torch.empty_like(q)
+        plan = self._plan(meta)
+        if q.dtype != k_pool.dtype:  # tl.dot wants matching operand types
+            q = q.to(k_pool.dtype)
+        if plan.num_decodes:
+            self.decode(out, q, k_pool, v_pool, meta.block_tables, meta.seq_lens_tensor,
+                        plan.decode_seq_ids, plan.decode_token_rows)
+        if plan.num_prefills:
+            self.prefill(out, q, k_pool, v_pool, meta.block_tables, meta.seq_lens_tensor,
+                         plan.query_start_loc, plan.prefill_seq_ids, plan.max_prefill_len)
+        return out
+
+    # -- kernel launches (public so the tests drive each kernel on its own) --
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v `[T, num_kv_heads, head_dim]` -> pools `[num_blocks, block_size, H, D]` at slots."""
+        num_tokens = k.shape[0]
+        if num_tokens == 0:
+            return
+        self._kernels.reshape_and_cache_kernel[(num_tokens,)](
+            k, v, k_pool, v_pool, slot_mapping,
+            *k.stride(), *v.stride(), *k_pool.stride(),
+            NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=k_pool.shape[1],
+            H_PAD=_pow2_at_least(self.num_kv_heads), D_PAD=_pow2_at_least(self.head_dim))
+
+    def decode(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
+               token_rows: torch.Tensor) -> None:
+        """Attention of the single query row `token_rows[i]` of each sequence `seq_ids[i]`
+        (at position `seq_lens[seq] - 1`) over keys `0 .. seq_lens[seq] - 1`."""
+        grid = (seq_ids.numel(), self.num_kv_heads)
+        self._kernels.paged_decode_kernel[grid](
+            out, q, k_pool, v_pool, block_tables, seq_lens, seq_ids, token_rows,
+            self.qk_scale_log2, *q.stride(), *out.stride(), *k_pool.stride(), block_tables.stride(0),
+            GROUP=self.group, GROUP_PAD=self.group_pad, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
+            BLOCK_SIZE=k_pool.shape[1], BLOCK_N=self.block_n, SLIDING_WINDOW=self.window,
+            **self._dot_options(q))
+
+    def prefill(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                seq_ids: torch.Tensor, max_query_len: int) -> None:
+        """Causal attention of the rows `query_start_loc[s] .. query_start_loc[s+1]-1` of each
+        sequence `s` in `seq_ids` (the last positions before `seq_lens[s]`) over the cache."""
+        grid = (seq_ids.numel(), _cdiv(max_query_len, self.block_m), self.num_heads)
+        self._kernels.paged_prefill_kernel[grid](
+            out, q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, seq_ids,
+            self.qk_scale_log2, *q.stride(), *out.stride(), *k_pool.stride(), block_tables.stride(0),
+            GROUP=self.group, HEAD_DIM=self.head_dim, D_PAD=self.d_pad, BLOCK_SIZE=k_pool.shape[1],
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n, SLIDING_WINDOW=self.window,
+            **self._dot_options(q))
+
+    # -- helpers --
+
+    def _dot_options(self, q: torch.Tensor) -> dict:
+        # fp32 inputs would otherwise go through TF32 tensor cores (~1e-3 relative error).
+        # DOT_FP32: the interpreter cannot multiply bfloat16 (see triton_kernels._dot).
+        return dict(PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                    DOT_FP32=self.mode == "interpreter" and q.dtype == torch.bfloat16)
+
+    def _pools(self, kv_cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(kv_cache, PagedKVCache):
+            raise ConfigError(f"the triton attention backend reads full-precision KV pools "
+                              f"(--kv-cache-dtype auto), not {type(kv_cache).__name__}; use "
+                              f"--attention-backend torch with a quantized KV cache")
+        if kv_cache.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"the triton attention backend supports float32/float16/bfloat16 "
+                              f"KV, got {kv_cache.dtype}; use --attention-backend torch")
+        return kv_cache.kv[layer, 0], kv_cache.kv[layer, 1]
+
+    def _plan(self, meta: AttentionMetadata) -> _StepPlan:
+        key = "triton_backend"
+        if key not in meta.backend_state:
+            dev = meta.block_tables.device
+            prefill_ids = meta.prefill_seq_ids
+            meta.backend_state[key] = _StepPlan(
+                num_decodes=meta.num_decodes,
+                decode_seq_ids=meta.decode_seq_ids,
+                decode_token_rows=meta.decode_token_ids,
+                num_prefills=len(prefill_ids),
+                prefill_seq_ids=torch.tensor(prefill_ids, dtype=torch.long, device=dev),
+                max_prefill_len=max((meta.query_lens[i] for i in prefill_ids), default=0),
+                query_start_loc=torch.tensor(meta.query_start_loc, dtype=torch.long, device=dev))
+        return meta.backend_state[key]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def select_attention_backend(name: str, model_config: ModelConfig, device: torch.device | str,
+                             kv_cache_dtype: str = "auto") -> AttentionBackend:
+    """`--attention-backend` -> backend instance. "auto": triton on a CUDA device when triton is
+    installed and the KV cache is full precision, torch otherwise."""
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} "
+                          f"(got {name!r})")
+    c = model_config
+    args = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim ** -0.5)
+    if name == "auto":
+        dev = torch.device(device)
+        use_triton = (dev.type == "cuda" and kv_cache_dtype == "auto"
+                      and triton_support(dev).mode == "cuda")
+        name = "triton" if use_triton else "torch"
+    if name == "torch":
+        return TorchAttentionBackend(*args, sliding_window=c.sliding_window)
+    if kv_cache_dtype != "auto":
+        raise ConfigError(f"--attention-backend triton reads full-precision KV only; with "
+                          f"--kv-cache-dtype {kv_cache_dtype} use --attention-backend torch or auto")
+    return TritonAttentionBackend(*args, sliding_window=c.sliding_window, device=device)

@@ -1,0 +1,234 @@
+"""Triton paged-attention kernels on CPU through triton's interpreter (TRITON_INTERPRET=1).
+
+Each case builds a step of ragged sequences over a pool whose block ids are shuffled, so a
+wrong block-table walk or slot offset reads another sequence's keys. Outputs are compared with
+a float64 softmax over the true K/V of each sequence (kept here, not read back from the cache),
+so the cache write kernel, the decode kernel and the varlen prefill kernel are all checked.
+
+Tolerance for float32 inputs: the kernels accumulate in float32 over <= ~100 keys, so the
+error is a few float32 ulps times log(keys): 1e-5 relative/absolute on O(1) outputs leaves
+~10x margin while a wrong mask, scale or block (errors ~1e-1) cannot pass. float16 / bfloat16
+inputs are rounded before the reference sees them; what remains is the kernel rounding the
+softmax weights to the input type before P @ V plus the output rounding: ~2 ulps of the type.
+
+The CUDA path is the same kernels compiled instead of interpreted; these tests run it only
+under the interpreter. Sizes are tiny because the interpreter runs every program in Python.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, or kernels get compiled
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvserve.config import ConfigError, ModelConfig  # noqa: E402
+from kvserve.model.attention import triton_backend  # noqa: E402
+from kvserve.model.attention.base import build_attention_metadata  # noqa: E402
+from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kvserve.model.attention.triton_backend import (  # noqa: E402
+    TritonAttentionBackend, select_attention_backend, triton_support)
+from kvserve.model.kv_cache import PagedKVCache  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def cache_for(num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+              dtype: torch.dtype) -> PagedKVCache:
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+                      num_hidden_layers=2, num_attention_heads=num_kv_heads,
+                      num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=512)
+    return PagedKVCache(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, q_pos: torch.Tensor,
+              scale: float, window: int | None) -> torch.Tensor:
+    """float64 softmax attention; q [n, Hq, D], keys/vals [L, Hkv, D], q_pos [n]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = vals.double().repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    dist = q_pos[:, None] - torch.arange(keys.shape[0])[None, :]
+    visible = dist >= 0
+    if window is not None:
+        visible &= dist < window
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
+
+
+def run_step(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+             start_pos: list[int], query_lens: list[int], window: int | None = None,
+             dtype: torch.dtype = torch.float32, layer: int = 1, seed: int = 0,
+             block_m: int = 16, block_n: int = 16):
+    """One attention step through the triton backend; returns (out, reference, torch backend out)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [s + n for s, n in zip(start_pos, query_lens)]
+    needs = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needs) + 3  # spare blocks stay zero and must never be read
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables, at = [], 0
+    for n in needs:
+        tables.append(ids[at:at + n])
+        at += n
+    cache = cache_for(num_kv_heads, head_dim, block_size, num_blocks, dtype)
+    meta = build_attention_metadata(start_pos, query_lens, tables, block_size)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    # The whole K/V history of every sequence; the context part goes in through the torch
+    # cache's own write, the step's part through the triton write kernel inside forward.
+    keys = [rand(n, num_kv_heads, head_dim) for n in seq_lens]
+    vals = [rand(n, num_kv_heads, head_dim) for n in seq_lens]
+    for i, s in enumerate(start_pos):
+        if s:
+            slots = torch.tensor([tables[i][p // block_size] * block_size + p % block_size
+                                  for p in range(s)])
+            cache.write(layer, slots, keys[i][:s], vals[i][:s])
+    k = torch.cat([keys[i][s:] for i, s in enumerate(start_pos)])
+    v = torch.cat([vals[i][s:] for i, s in enumerate(start_pos)])
+    q = rand(meta.num_tokens, num_heads, head_dim)
+    scale = head_dim ** -0.5
+
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, window,
+                                     device="cpu", block_m=block_m, block_n=block_n)
+    torch_cache = cache_for(num_kv_heads, head_dim, block_size, num_blocks, dtype)
+    torch_cache.kv.copy_(cache.kv)
+    out = backend.forward(layer, q, k, v, cache, meta)
+
+    ref = torch.empty(q.shape, dtype=torch.float64)
+    for i, (s, n) in enumerate(zip(start_pos, query_lens)):
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        ref[rows] = reference(q[rows], keys[i], vals[i], torch.arange(s, s + n), scale, window)
+    # The write kernel must leave the pool exactly as the torch cache's write does.
+    torch_cache.write(layer, meta.slot_mapping, k, v)
+    assert torch.equal(cache.kv, torch_cache.kv)
+    torch_out = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, window).forward(
+        layer, q, k, v, torch_cache, build_attention_metadata(start_pos, query_lens, tables, block_size))
+    return out, ref, torch_out
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+HEADS = {"gqa": (4, 2), "gqa3": (6, 2), "mha": (4, 4), "mqa": (3, 1)}
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", ["gqa", "mha"])
+def test_decode_batch_ragged(block_size: int, heads: str) -> None:
+    hq, hkv = HEADS[heads]
+    # Contexts ending inside, at the end of, and one past a block; one single-token prompt.
+    starts = [0, 5, block_size - 1, block_size, 2 * block_size + 3]
+    out, ref, torch_out = run_step(num_heads=hq, num_kv_heads=hkv, head_dim=16, block_size=block_size,
+                                   start_pos=starts, query_lens=[1] * len(starts))
+    assert_matches(out, ref, torch.float32)
+    torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", ["gqa", "mha"])
+def test_prefill_and_chunked_prefill_ragged(block_size: int, heads: str) -> None:
+    hq, hkv = HEADS[heads]
+    # A whole prompt spanning tiles, chunks continuing mid-block and at a block boundary.
+    out, ref, torch_out = run_step(num_heads=hq, num_kv_heads=hkv, head_dim=16, block_size=block_size,
+                                   start_pos=[0, 7, block_size, 0], query_lens=[37, 20, 9, 2])
+    assert_matches(out, ref, torch.float32)
+    torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 16])
+def test_sliding_window_mixed_step(window: int) -> None:
+    # Decodes far past the window (whole blocks fall out) next to chunks straddling it.
+    out, ref, torch_out = run_step(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                                   start_pos=[40, 3, 0, 25, 50], query_lens=[1, 1, 30, 18, 1],
+                                   window=window)
+    assert_matches(out, ref, torch.float32)
+    torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
+
+
+def test_odd_group_odd_head_dim_small_blocks_default_tiles() -> None:
+    # 3 query heads per kv head (SmolLM2's ratio), head_dim 24 (padded to 32), block size 4
+    # below the 16-key tile, default 64x64 tiles; an MQA step with a 1-token-prompt too.
+    out, ref, _ = run_step(num_heads=6, num_kv_heads=2, head_dim=24, block_size=4,
+                           start_pos=[0, 9, 13], query_lens=[70, 1, 6], block_m=None, block_n=None)
+    assert_matches(out, ref, torch.float32)
+    out, ref, _ = run_step(num_heads=3, num_kv_heads=1, head_dim=16, block_size=16,
+                           start_pos=[0, 21], query_lens=[1, 1])
+    assert_matches(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype: torch.dtype) -> None:
+    out, ref, _ = run_step(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                           start_pos=[0, 18, 33], query_lens=[20, 1, 1], dtype=dtype)
+    assert_matches(out, ref, dtype)
+
+
+def test_write_skips_negative_slots() -> None:
+    cache = cache_for(2, 16, 16, 4, torch.float32)
+    backend = TritonAttentionBackend(2, 2, 16, 0.25, device="cpu")
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    backend.write_kv(k, v, cache.kv[0, 0], cache.kv[0, 1], torch.tensor([17, -1, 63]))
+    flat_k = cache.kv[0, 0].reshape(64, 2, 16)
+    assert torch.equal(flat_k[17], k[0]) and torch.equal(flat_k[63], k[2])
+    assert int((flat_k.abs().sum((1, 2)) != 0).sum()) == 2  # the padding token wrote nothing
+
+
+# -- availability and selection --
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=8, hidden_size=32, intermediate_size=8,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                max_position_embeddings=64)
+    return ModelConfig(**{**base, **overrides})
+
+
+def test_cpu_without_interpreter_names_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    support = triton_support("cpu")
+    assert not support.available and "TRITON_INTERPRET=1" in support.reason
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        select_attention_backend("triton", tiny_config(), "cpu")
+    assert isinstance(select_attention_backend("auto", tiny_config(), "cpu"), TorchAttentionBackend)
+
+
+def test_missing_triton_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = triton_backend.importlib.util.find_spec
+    monkeypatch.setattr(triton_backend.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    support = triton_support("cuda")
+    assert not support.available and "pip install triton" in support.reason
+
+
+def test_selection_rules() -> None:
+    assert isinstance(select_attention_backend("torch", tiny_config(), "cpu"), TorchAttentionBackend)
+    # Under the interpreter "triton" runs on CPU; "auto" still keeps CPU on torch.
+    chosen = select_attention_backend("triton", tiny_config(sliding_window=8), "cpu")
+    assert isinstance(chosen, TritonAttentionBackend) and chosen.window == 8
+    assert isinstance(select_attention_backend("auto", tiny_config(), "cpu"), TorchAttentionBackend)
+    with pytest.raises(ConfigError, match="--kv-cache-dtype int8"):
+        select_attention_backend("triton", tiny_config(), "cpu", kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="--attention-backend must be one of"):
+        select_attention_backend("flash", tiny_config(), "cpu")
+
+
+def test_quantized_cache_rejected() -> None:
+    from kvserve.model.kv_cache import create_kv_cache
+
+    cfg = tiny_config()
+    cache = create_kv_cache(cfg, num_blocks=4, block_size=16, kv_cache_dtype="int8")
+    backend = TritonAttentionBackend(4, 2, 8, 8 ** -0.5, device="cpu")
+    meta = build_attention_metadata([0], [2], [[1]], 16)
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    with pytest.raises(ConfigError, match="--attention-backend torch"):
+        backend.forward(0, q, k, k, cache, meta)
