@@ -1,0 +1,387 @@
+"""`kvserve simulate`: replay a trace through the real Scheduler and KVCacheManager, no weights loaded.
+
+The model is replaced by CostModelRunner (deterministic tokens, roofline step time), so block
+accounting — prefix hits, preemptions, evictions, blocks in use per step — is the engine's own,
+and the clock is simulated: each step advances it by the cost model's estimate. A sweep runs the
+same trace once per configuration (block size x KV memory x kv dtype x max-num-seqs x policy).
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+from kvserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, ConfigError, parse_size
+from kvserve.engine.request import Request
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.kv.manager import KVCacheManager
+from kvserve.tools.cost_model import CostModelRunner, StepCost
+from kvserve.tools.plan import DTYPE_BYTES, fmt_bytes, kv_bytes_per_block, normalize_dtype
+from kvserve.tools.presets import count_parameters, resolve_model
+from kvserve.tools.workload import (DEFAULT_TOKEN_RANGE, LengthDist, Trace, WorkloadSpec, synthetic_trace,
+                                    trace_from_request_log)
+
+# Dense bf16 peak and HBM bandwidth; "cpu" is CostModelRunner's own default (a 2-core laptop class).
+HARDWARE = {"h100": (989e12, 3.35e12), "a100": (312e12, 2.0e12), "l4": (121e12, 0.3e12),
+            "cpu": (StepCost.peak_flops, StepCost.mem_bandwidth)}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One point of the sweep; field names are the engine's (EngineArgs) flags."""
+    block_size: int = 16
+    num_blocks: int = 0
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None  # what num_blocks came from (None: given as --num-blocks)
+    max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"
+    cache_aware_scheduling: bool = False
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    max_model_len: int
+    num_requests: int = 0
+    num_skipped: int = 0       # longer than max_model_len: the engine would refuse them
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up on admission (new requests)
+    prefix_cache_hits: int = 0
+    resume_prefix_cache_queries: int = 0  # lookups of preempted requests resuming
+    resume_prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_cached_block_evictions: int = 0
+    peak_blocks_used: int = 0
+    peak_kv_usage: float = 0.0
+    mean_kv_usage: float = 0.0  # time-weighted over the simulated run
+    num_steps: int = 0
+    sim_time_s: float = 0.0
+    request_throughput: float = 0.0
+    output_throughput: float = 0.0  # output tokens / simulated second
+    mean_ttft_s: float = 0.0
+    p99_ttft_s: float = 0.0
+    mean_e2e_s: float = 0.0
+    error: str | None = None
+    blocks_used_per_step: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def to_dict(self, with_steps: bool = False) -> dict:
+        d = asdict(self)
+        d["prefix_hit_rate"] = self.prefix_hit_rate
+        if not with_steps:
+            d.pop("blocks_used_per_step")
+        return d
+
+
+class ReplayRunner(CostModelRunner):
+    """CostModelRunner that emits recorded answers where the trace has them (exact multi-turn replay)."""
+
+    def __init__(self, recorded: dict[str, tuple[int, list[int]]], **kw) -> None:
+        super().__init__(**kw)
+        self.recorded = recorded  # request id -> (prompt length, answer token ids)
+
+    def token_for(self, request_id: str, position: int) -> int:
+        rec = self.recorded.get(request_id)
+        if rec is not None and 0 <= position - rec[0] < len(rec[1]):
+            return rec[1][position - rec[0]]
+        return super().token_for(request_id, position)
+
+
+def turn_request_id(conversation_id: str, turn: int) -> str:
+    return f"{conversation_id}/t{turn}"
+
+
+def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | None = None,
+             vocab_size: int = 49152, check_integrity: bool = False) -> SimResult:
+    """Run the trace to completion under `cfg`; the clock is simulated seconds from the first arrival."""
+    res = SimResult(config=cfg, max_model_len=max_model_len)
+    if cfg.num_blocks * cfg.block_size < max_model_len:
+        res.error = (f"the pool holds {cfg.num_blocks * cfg.block_size} tokens, less than max-model-len "
+                     f"{max_model_len}: give it more KV memory or lower --max-model-len")
+        return res
+    kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.kv_cache_dtype)
+    sched = Scheduler(SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=max_model_len, enable_chunked_prefill=cfg.enable_chunked_prefill,
+        policy=cfg.scheduling_policy, cache_aware=cfg.cache_aware_scheduling), kv)
+    recorded: dict[str, tuple[int, list[int]]] = {}
+    runner = ReplayRunner(recorded, vocab_size=vocab_size, cost=cost)
+    convs = {c.conversation_id: c for c in trace.conversations}
+    seq = itertools.count()
+    # (arrival, order, conversation id, turn, prompt ids): order keeps ties in trace order.
+    pending = [(c.arrival_time, next(seq), c.conversation_id, 0, list(c.first_prompt)) for c in trace.conversations]
+    heapq.heapify(pending)
+    arrival, first_token, ttfts, e2es = {}, {}, [], []
+    clock = pending[0][0] if pending else 0.0
+    start, used_time = clock, 0.0
+
+    def admit(item) -> None:
+        t, _, cid, k, prompt = item
+        turn = convs[cid].turns[k]
+        rid = turn_request_id(cid, k)
+        if len(prompt) + turn.output_len > max_model_len:
+            res.num_skipped += 1
+            return
+        answers = convs[cid].output_token_ids
+        if answers is not None and k < len(answers):
+            recorded[rid] = (len(prompt), answers[k])
+        params = SamplingParams(max_tokens=turn.output_len, ignore_eos=True, temperature=0.0)
+        # Arrival gets a sub-nanosecond tiebreak so equal trace times keep trace order, as
+        # monotonic clock readings do in the engine.
+        req = Request(rid, prompt, params, arrival_time=t + res.num_requests * 1e-12, priority=convs[cid].priority)
+        sched.add_request(req)
+        arrival[rid] = t
+        res.num_requests += 1
+        res.prompt_tokens += len(prompt)
+
+    while pending or sched.has_unfinished_requests():
+        while pending and pending[0][0] <= clock:
+            admit(heapq.heappop(pending))
+        if not sched.has_unfinished_requests():
+            if pending:
+                clock = max(clock, pending[0][0])
+            continue
+        out = sched.schedule()
+        if out.is_empty and not out.finished_req_ids:
+            if not sched.running and not pending:
+                res.error = f"{sched.num_waiting} request(s) can never be scheduled (pool of {cfg.num_blocks} blocks)"
+                break
+            if not sched.running:
+                clock = pending[0][0]
+            continue
+        before = runner.elapsed_s
+        result = runner.execute(out)
+        touched = sched.update_from_output(out, result)
+        if check_integrity:
+            kv.check_integrity()
+        dt = runner.elapsed_s - before
+        used = kv.pool.num_used_blocks
+        used_time += used * dt
+        clock += dt
+        res.num_steps += 1
+        res.blocks_used_per_step.append(used)
+        res.peak_blocks_used = max(res.peak_blocks_used, used)
+        for req in touched:
+            rid = req.request_id
+            res.output_tokens += 1
+            if rid not in first_token:
+                first_token[rid] = clock
+                ttfts.append(clock - arrival[rid])
+            if req.is_finished:
+                e2es.append(clock - arrival[rid])
+                cid, k = rid.rsplit("/t", 1)
+                k = int(k) + 1
+                if k < len(convs[cid].turns):
+                    prompt = req.all_token_ids + convs[cid].turns[k].user_token_ids
+                    heapq.heappush(pending, (clock, next(seq), cid, k, prompt))
+    s = kv.stats
+    res.prefix_cache_queries, res.prefix_cache_hits = s.queries, s.hits
+    res.resume_prefix_cache_queries, res.resume_prefix_cache_hits = s.resume_queries, s.resume_hits
+    res.num_preemptions = sched.num_preemptions
+    res.num_cached_block_evictions = kv.pool.num_evictions
+    res.peak_kv_usage = res.peak_blocks_used / cfg.num_blocks
+    res.sim_time_s = clock - start
+    if res.sim_time_s > 0:
+        res.mean_kv_usage = used_time / res.sim_time_s / cfg.num_blocks
+        res.request_throughput = len(e2es) / res.sim_time_s
+        res.output_throughput = res.output_tokens / res.sim_time_s
+    if ttfts:
+        ttfts.sort()
+        res.mean_ttft_s = sum(ttfts) / len(ttfts)
+        res.p99_ttft_s = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+    if e2es:
+        res.mean_e2e_s = sum(e2es) / len(e2es)
+    return res
+
+
+# -- the sweep ------------------------------------------------------------------------------------
+def _list(text: str, flag: str, conv):
+    try:
+        values = [conv(x.strip()) for x in str(text).split(",") if x.strip()]
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(f"{flag} {text!r}: {e}") from None
+    if not values:
+        raise ConfigError(f"{flag} is empty; give one value or a comma-separated list")
+    return values
+
+
+def _choice(choices):
+    def conv(x: str) -> str:
+        if x not in choices:
+            raise ValueError(f"{x!r} is not one of {', '.join(choices)}")
+        return x
+    return conv
+
+
+def _on_off(x: str) -> bool:
+    if x.lower() in ("on", "true", "1", "yes"):
+        return True
+    if x.lower() in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"{x!r} is not on/off")
+
+
+def _positive_int(x: str) -> int:
+    n = int(x)
+    if n < 1:
+        raise ValueError(f"{n} must be >= 1")
+    return n
+
+
+@dataclass
+class SweepReport:
+    model: str
+    trace: str
+    num_requests: int
+    max_model_len: int
+    hardware: str
+    notes: list[str]
+    results: list[SimResult]
+
+
+def build_configs(args, model_cfg, model_dtype: str) -> list[SimConfig]:
+    sizes = _list(args.block_size, "--block-size", _positive_int)
+    dtypes = _list(args.kv_cache_dtype, "--kv-cache-dtype", _choice(KV_CACHE_DTYPES))
+    seqs = _list(args.max_num_seqs, "--max-num-seqs", _positive_int)
+    policies = _list(args.scheduling_policy, "--scheduling-policy", _choice(SCHEDULING_POLICIES))
+    aware = _list(args.cache_aware_scheduling, "--cache-aware-scheduling", _on_off)
+    if args.num_blocks is not None:
+        pools = [(None, n) for n in _list(args.num_blocks, "--num-blocks", _positive_int)]
+    else:
+        pools = [(m, None) for m in _list(args.kv_cache_memory, "--kv-cache-memory",
+                                          lambda x: parse_size(x, "--kv-cache-memory"))]
+    configs = []
+    for bs, mem_blocks, dt, n, pol, ca in itertools.product(sizes, pools, dtypes, seqs, policies, aware):
+        mem, blocks = mem_blocks
+        if blocks is None:
+            blocks = mem // kv_bytes_per_block(model_cfg, bs, dt, model_dtype)
+        configs.append(SimConfig(bs, blocks, dt, mem, n, pol, ca, args.max_num_batched_tokens,
+                                 not args.no_prefix_caching))
+    return configs
+
+
+def step_cost(model_cfg, model_dtype: str, bytes_per_token: float, hardware: str, overhead_ms: float) -> StepCost:
+    params = count_parameters(model_cfg).total
+    peak, bw = HARDWARE[hardware]
+    return StepCost(flops_per_token=2 * params, weight_bytes=params * DTYPE_BYTES[model_dtype],
+                    kv_bytes_per_token=bytes_per_token, peak_flops=peak, mem_bandwidth=bw,
+                    step_overhead_s=overhead_ms / 1000)
+
+
+def load_trace(args) -> Trace:
+    lo, hi = (int(x) for x in args.token_range.split(":"))
+    if args.trace:
+        return trace_from_request_log(args.trace, shared_prefix_fraction=args.shared_prefix_fraction,
+                                      prefix_len=args.prefix_len, seed=args.seed, token_range=(lo, hi))
+    return synthetic_trace(WorkloadSpec(
+        num_conversations=args.num_requests, prompt_len=LengthDist.parse(args.prompt_len, "--prompt-len"),
+        output_len=LengthDist.parse(args.output_len, "--output-len"),
+        shared_prefix_fraction=args.shared_prefix_fraction, prefix_len=args.prefix_len, num_turns=args.multi_turn,
+        request_rate=args.request_rate, priority_levels=args.priority_levels, seed=args.seed, token_range=(lo, hi)))
+
+
+def run_sweep(args) -> SweepReport:
+    spec = resolve_model(args.model or "SmolLM2-135M")
+    cfg = spec.config
+    dtype = normalize_dtype(spec.dtype if args.dtype == "auto" else args.dtype)
+    trace = load_trace(args)
+    need = trace.max_total_len()
+    max_model_len = args.max_model_len or min(need, cfg.max_position_embeddings)
+    notes = list(trace.notes)
+    if need > max_model_len:
+        notes.append(f"the longest request needs {need} tokens, more than max-model-len {max_model_len}: "
+                     "longer requests are skipped, as the engine would refuse them")
+    results = []
+    for c in build_configs(args, cfg, dtype):
+        bpt = kv_bytes_per_block(cfg, c.block_size, c.kv_cache_dtype, dtype) / c.block_size
+        cost = step_cost(cfg, dtype, bpt, args.hardware, args.step_overhead_ms)
+        results.append(simulate(trace, c, max_model_len, cost, cfg.vocab_size))
+    return SweepReport(cfg.name, trace.source, trace.num_requests, max_model_len, args.hardware, notes, results)
+
+
+def format_report(r: SweepReport) -> str:
+    lines = [f"kvserve simulate: {r.model}, {r.num_requests} requests, max-model-len {r.max_model_len}, "
+             f"cost model: {r.hardware}", f"  trace: {r.trace}", "",
+             f"  {'block':>5} {'KV memory':>11} {'blocks':>7} {'kv dtype':>8} {'seqs':>5} {'policy':>8} {'LPM':>3} |"
+             f" {'hit rate':>8} {'peak KV':>7} {'mean KV':>7} {'preempt':>7} {'evict':>6} | {'tok/s':>9} {'req/s':>7}"
+             f" {'TTFT ms':>8} {'p99 ms':>8}"]
+    for x in r.results:
+        c = x.config
+        mem = fmt_bytes(c.kv_cache_memory) if c.kv_cache_memory is not None else "-"
+        head = (f"  {c.block_size:>5} {mem:>11} {c.num_blocks:>7,} {c.kv_cache_dtype:>8} {c.max_num_seqs:>5} "
+                f"{c.scheduling_policy:>8} {'on' if c.cache_aware_scheduling else 'off':>3} |")
+        if x.error:
+            lines.append(f"{head} error: {x.error}")
+            continue
+        lines.append(f"{head} {x.prefix_hit_rate:>8.1%} {x.peak_kv_usage:>7.1%} {x.mean_kv_usage:>7.1%} "
+                     f"{x.num_preemptions:>7,} {x.num_cached_block_evictions:>6,} | {x.output_throughput:>9,.0f} "
+                     f"{x.request_throughput:>7,.2f} {x.mean_ttft_s * 1e3:>8,.1f} {x.p99_ttft_s * 1e3:>8,.1f}")
+    lines += [""] + [f"NOTE: {n}" for n in r.notes]
+    return "\n".join(lines).rstrip()
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="what-if: replay a workload through the real scheduler and KV manager",
+                              description="Replay a request log or a synthetic workload through kvserve's scheduler "
+                                          "and KV cache manager with a cost model instead of the model (no weights), "
+                                          "once per configuration of the sweep. List values are comma-separated.")
+    src = p.add_argument_group("workload")
+    src.add_argument("--trace", metavar="LOGFILE", help="kvserve request log (JSONL, --request-log); default: synthetic")
+    src.add_argument("--num-requests", type=int, default=200, help="synthetic: conversations (default %(default)s)")
+    src.add_argument("--prompt-len", default="512", help="N, LO:HI or normal:MEAN,STD (default %(default)s)")
+    src.add_argument("--output-len", default="128", help="N, LO:HI or normal:MEAN,STD (default %(default)s)")
+    src.add_argument("--shared-prefix-fraction", type=float, default=0.0,
+                     help="fraction of requests starting with one shared prefix (also for logs without token ids)")
+    src.add_argument("--prefix-len", type=int, default=0, help="shared prefix length in tokens")
+    src.add_argument("--multi-turn", type=int, default=1, metavar="K", help="turns per conversation")
+    src.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
+    src.add_argument("--priority-levels", type=int, default=1, help="random priorities 0..N-1 (for --scheduling-policy priority)")
+    src.add_argument("--token-range", default=f"{DEFAULT_TOKEN_RANGE[0]}:{DEFAULT_TOKEN_RANGE[1]}", help=argparse.SUPPRESS)
+    src.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("model and cost model")
+    m.add_argument("--model", help="preset, config.json, model directory or .gguf (default SmolLM2-135M)")
+    m.add_argument("--dtype", default="auto", help="model dtype for KV auto and weight bytes")
+    m.add_argument("--max-model-len", type=int, default=None, help="default: the trace's longest request")
+    m.add_argument("--hardware", default="h100", choices=sorted(HARDWARE), help="roofline peak FLOPs and bandwidth")
+    m.add_argument("--step-overhead-ms", type=float, default=2.0, help="fixed cost per engine step")
+    s = p.add_argument_group("sweep (comma-separated lists; every combination runs)")
+    s.add_argument("--block-size", default="16")
+    s.add_argument("--kv-cache-memory", default="4GiB", help="KV budget(s), e.g. 1GiB,512MiB")
+    s.add_argument("--num-blocks", default=None, help="exact pool size(s) instead of --kv-cache-memory")
+    s.add_argument("--kv-cache-dtype", default="auto", help=", ".join(KV_CACHE_DTYPES))
+    s.add_argument("--max-num-seqs", default="256")
+    s.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority")
+    s.add_argument("--cache-aware-scheduling", default="off", help="off, on (SGLang-style longest prefix first)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-': print JSON instead of the table)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1 (got {args.max_num_batched_tokens})")
+        report = run_sweep(args)
+    except ConfigError as e:
+        print(f"kvserve simulate: error: {e}", file=sys.stderr)
+        return 2
+    doc = {**asdict(report), "results": [x.to_dict() for x in report.results]}
+    if args.json == "-":
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_report(report))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+    return 1 if all(x.error for x in report.results) else 0
