@@ -159,3 +159,22 @@ def test_reset_prefix_cache_refuses_while_in_use():
     assert sched.kv.pool.num_cached_free > 0
     assert sched.kv.reset_prefix_cache()
     assert sched.kv.pool.num_cached_free == 0 and not sched.kv.pool.cached
+
+
+def test_cache_aware_admission_prefers_longest_cached_prefix():
+    def run(cache_aware):
+        kv = KVCacheManager(64, 4, enable_caching=True)
+        cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
+                              cache_aware=cache_aware)
+        sched, runner = Scheduler(cfg, kv), CostModelRunner(vocab_size=VOCAB)
+        shared = [1, 2, 3, 0] * 3
+        run_to_end(sched, runner, [Request("warm", shared + [1], SamplingParams(max_tokens=1, ignore_eos=True))])
+        cold = Request("cold", [3, 3, 3, 3, 2, 2, 2, 2, 1], SamplingParams(max_tokens=2, ignore_eos=True))
+        hot = Request("hot", shared + [2, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+        sched.add_request(cold)
+        sched.add_request(hot)
+        out = step(sched, runner)
+        return out.scheduled[0].request.request_id
+
+    assert run(cache_aware=False) == "cold"  # FCFS stays the default
+    assert run(cache_aware=True) == "hot"

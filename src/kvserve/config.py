@@ -14,6 +14,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3  # vLLM CPU backend's default KV space
+DEFAULT_KV_DISK_SIZE = 10 * 1024**3  # disk KV tier cap when --kv-disk-path is given alone
 
 
 class ConfigError(ValueError):
@@ -55,7 +56,11 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # exact pool size, for tests and what-if runs
-    swap_space: float = 0.0  # GiB of host memory for swapped/offloaded KV
+    swap_space: float = 0.0  # GiB of host memory for swapped/offloaded KV (the host tier)
+    cpu_offload_gb: float = 0.0  # alias of swap_space: the same host tier, in GiB
+    kv_disk_path: str | None = None  # directory of the disk KV tier (persists across restarts)
+    kv_disk_size: str | int | None = None  # its size cap, bytes or 20GiB-style (default 10GiB)
+    kv_redis_url: str | None = None  # redis://host:port/db of a Redis KV tier shared by servers
     # Scheduler
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
@@ -87,12 +92,55 @@ class EngineArgs:
             raise ConfigError(f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})")
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "--kv-cache-memory")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"--kv-cache-memory must be > 0 bytes (got {self.kv_cache_memory})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1 (got {self.max_model_len})")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB (got {self.swap_space})")
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        if self.cpu_offload_gb < 0:
+            raise ConfigError(f"--cpu-offload-gb must be >= 0 GiB (got {self.cpu_offload_gb})")
+        if self.swap_space and self.cpu_offload_gb and self.swap_space != self.cpu_offload_gb:
+            raise ConfigError(f"--swap-space ({self.swap_space}) and --cpu-offload-gb ({self.cpu_offload_gb}) "
+                              f"both size the one host KV tier; give only one of them")
+        if self.kv_disk_size is not None and not self.kv_disk_path:
+            raise ConfigError("--kv-disk-size was given without --kv-disk-path; add --kv-disk-path DIR "
+                              "to enable the disk KV tier")
+        if self.kv_disk_path is not None:
+            if not str(self.kv_disk_path).strip():
+                raise ConfigError("--kv-disk-path is empty; pass a directory for the disk KV tier")
+            if self.resolved_kv_disk_size <= 0:
+                raise ConfigError(f"--kv-disk-size must be a positive size such as 20GiB (got {self.kv_disk_size!r})")
+        if self.kv_redis_url is not None and not re.match(r"^(redis|rediss|unix)://", self.kv_redis_url):
+            raise ConfigError(f"--kv-redis-url {self.kv_redis_url!r} is not a Redis URL; use "
+                              f"redis://host:port/db, rediss://... for TLS, or unix:///path/to/redis.sock")
+        offload = self.kv_disk_path is not None or self.kv_redis_url is not None
+        if offload and not self.enable_prefix_caching:
+            raise ConfigError("--kv-disk-path / --kv-redis-url keep prefix-cache blocks, so they need prefix "
+                              "caching; drop --no-enable-prefix-caching or the tier flags")
+        if self.preemption_mode == "swap" and self.host_tier_gib <= 0:
+            raise ConfigError("--preemption-mode swap moves a preempted request's KV to host memory, but no host "
+                              "tier is configured; set --swap-space (GiB), e.g. --swap-space 4")
+
+    @property
+    def host_tier_gib(self) -> float:
+        """GiB of the host KV tier (0: none); --swap-space and --cpu-offload-gb name the same tier."""
+        return self.swap_space or self.cpu_offload_gb
+
+    @property
+    def resolved_kv_disk_size(self) -> int:
+        if self.kv_disk_size is None:
+            return DEFAULT_KV_DISK_SIZE
+        return parse_size(self.kv_disk_size, "--kv-disk-size")
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return self.host_tier_gib > 0 or self.kv_disk_path is not None or self.kv_redis_url is not None
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:
