@@ -83,11 +83,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def start_server(*args: str, timeout: float = STARTUP_TIMEOUT_S) -> ServerHandle:
+def start_server(*args: str, timeout: float = STARTUP_TIMEOUT_S, env: dict | None = None) -> ServerHandle:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="kvserve-server-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "kvserve", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log.name, list(args))
     deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import os
 import sys
 import typing
 
@@ -197,7 +198,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     metrics = ServerMetrics(names[0], llm.max_model_len, args)
     llm.step_listeners.append(metrics)
     if not args.disable_log_stats:
-        llm.step_listeners.append(StatLogger())
+        # vLLM's VLLM_LOG_STATS_INTERVAL, under our prefix.
+        llm.step_listeners.append(StatLogger(float(os.environ.get("KVSERVE_LOG_STATS_INTERVAL", "10"))))
     if ns.request_log:
         llm.step_listeners.append(RequestLogWriter(ns.request_log))
     config = ServingConfig(served_model_names=names, max_logprobs=args.max_logprobs,
@@ -331,7 +333,11 @@ def _add_tools(sub) -> None:
             logger.warning("kvserve %s is unavailable: %s: %s", module_name, type(e).__name__, e)
             continue
         before = set(sub.choices)
-        module.add_parser(sub)
+        try:
+            module.add_parser(sub)
+        except Exception as e:
+            logger.warning("kvserve %s is unavailable: %s: %s", module_name, type(e).__name__, e)
+            continue
         for name in set(sub.choices) - before:
             sub.choices[name].set_defaults(_run=module.run)
 

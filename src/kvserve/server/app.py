@@ -247,8 +247,8 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         if await llm.reset_prefix_cache():
             return {"status": "ok", "message": "prefix cache reset"}
         used = llm.latest_stats.num_blocks_used
-        return _error(409, f"cannot reset the prefix cache: {used} KV blocks are referenced by running or "
-                           "waiting requests; retry when the server is idle", type="conflict", code="blocks_in_use")
+        return _error(409, f"cannot reset the prefix cache: KV blocks are in use ({used} referenced by "
+                           "running or waiting requests); retry when the server is idle", type="conflict", code="blocks_in_use")
 
     @app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERROR_RESPONSES,
               dependencies=[Depends(tenant)])

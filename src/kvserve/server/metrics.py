@@ -116,6 +116,12 @@ class ServerMetrics:
                 "block_size": str(engine_args.block_size), "kv_cache_dtype": str(engine_args.kv_cache_dtype),
                 "enable_prefix_caching": str(engine_args.enable_prefix_caching),
                 "max_num_seqs": str(engine_args.max_num_seqs), "max_model_len": str(max_model_len)})
+        # Export every series from the start (zeros), as vLLM does: rate() and greps need them to exist.
+        for metric in vars(self).values():
+            if isinstance(metric, (Gauge, Counter, Histogram)) and metric._labelnames == ("model_name",):
+                metric.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
         self._last: dict[str, float] = {}
         self._progress: dict[str, _RequestProgress] = {}
 

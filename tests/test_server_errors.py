@@ -1,0 +1,153 @@
+"""Bad input gets a 4xx with an OpenAI error object naming the field and the limit; disconnects abort
+their requests and free their blocks; the server stays up throughout."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from server_util import MAIN_ARGS, shared_server, wait_until
+
+pytestmark = pytest.mark.slow
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="session")
+def server(request):
+    return shared_server(request, *MAIN_ARGS)
+
+
+def post(server, path, body=None, raw: bytes | None = None, headers=None):
+    h = {"content-type": "application/json", **(headers or {})}
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers=h, timeout=60)
+
+
+CASES = [
+    # (id, path, body or raw bytes, status, words the message must contain, param)
+    ("bad-json", COMPLETIONS, b'{"prompt": ', 400, ["not valid JSON"], None),
+    ("not-an-object", COMPLETIONS, b"[1, 2]", 400, ["valid dictionary"], None),
+    ("invalid-utf8", COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, ["not valid UTF-8", "0xff"], None),
+    ("wrong-type-max-tokens", COMPLETIONS, {"prompt": "x", "max_tokens": "ten"}, 400, ["max_tokens", "integer"],
+     "max_tokens"),
+    ("wrong-type-temperature", COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, ["temperature"],
+     "temperature"),
+    ("wrong-type-stream", CHAT, {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400,
+     ["stream"], "stream"),
+    ("missing-prompt", COMPLETIONS, {"max_tokens": 3}, 400, ["prompt", "required"], "prompt"),
+    ("unknown-model", COMPLETIONS, {"prompt": "x", "model": "gpt-4o"}, 404, ["gpt-4o", "does not exist"], "model"),
+    ("zero-max-tokens", COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens", "1"], "max_tokens"),
+    ("negative-max-tokens", CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}, 400,
+     ["max_tokens"], "max_tokens"),
+    ("huge-max-tokens", COMPLETIONS, {"prompt": "x", "max_tokens": 10**9}, 400,
+     ["maximum context length is 1024", "at most"], "max_tokens"),
+    ("max-tokens-over-context", CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1020}, 400,
+     ["maximum context length is 1024"], "max_tokens"),
+    ("n-over-limit", COMPLETIONS, {"prompt": "x", "n": 1000}, 400, ["n", "128"], "n"),
+    ("batch-times-n-over-limit", COMPLETIONS, {"prompt": ["a"] * 20, "n": 10}, 400, ["200 choices", "128"], "n"),
+    ("prompt-over-max-model-len", COMPLETIONS, {"prompt": "hello " * 3000}, 400,
+     ["maximum context length is 1024", "3001"], "prompt"),
+    ("token-prompt-over-max-model-len", COMPLETIONS, {"prompt": [100] * 1024}, 400, ["1024"], "prompt"),
+    ("empty-prompt", COMPLETIONS, {"prompt": ""}, 400, ["prompt", "empty"], "prompt"),
+    ("empty-prompt-list", COMPLETIONS, {"prompt": []}, 400, ["prompt", "empty"], "prompt"),
+    ("empty-messages", CHAT, {"messages": []}, 400, ["messages"], "messages"),
+    ("bad-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, ["role"], "messages.0.role"),
+    ("token-out-of-vocab", COMPLETIONS, {"prompt": [49152]}, 400, ["[0, 49152)"], "prompt"),
+    ("negative-token", COMPLETIONS, {"prompt": [-1]}, 400, ["[0, 49152)"], "prompt"),
+    ("top-p-zero", COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, ["top_p"], "top_p"),
+    ("temperature-over-2", COMPLETIONS, {"prompt": "x", "temperature": 9}, 400, ["temperature", "2"], "temperature"),
+    ("logprobs-over-limit", COMPLETIONS, {"prompt": "x", "logprobs": 50}, 400, ["logprobs", "20"], "logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, ["logprobs"], "top_logprobs"),
+    ("min-tokens-over-max", COMPLETIONS, {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, ["min_tokens"],
+     "min_tokens"),
+    ("empty-stop", COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, ["stop"], "stop"),
+    ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, ["image_url", "not supported"], None),
+    ("tools", CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     ["tools"], "tools"),
+    ("json-mode", CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, ["json_object"], "response_format"),
+    ("logit-bias", COMPLETIONS, {"prompt": "x", "logit_bias": {"1": 5}}, 400, ["logit_bias"], "logit_bias"),
+    ("suffix", COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, ["suffix"], "suffix"),
+    ("body-too-large", COMPLETIONS, b'{"prompt": "' + b"a" * (2 * 1024 * 1024) + b'"}', 413,
+     ["limit", "1048576"], None),
+    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [10**7]}, 400, ["tokens"], "tokens"),
+    ("tokenize-nothing", "/tokenize", {}, 400, ["prompt", "messages"], None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, words, param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(server, path, body, status, words, param):
+    r = post(server, path, raw=body) if isinstance(body, bytes) else post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    if param is not None:
+        assert err["param"] == param
+    assert err["type"]
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"{server.url}{COMPLETIONS}")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_server_survives_bad_input_and_serves_others(server):
+    for _, path, body, *_ in CASES[:6]:
+        post(server, path, raw=body) if isinstance(body, bytes) else post(server, path, body)
+    r = post(server, COMPLETIONS, {"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert "Traceback" not in server.log()
+
+
+def _idle(server):
+    return server.metric("kvserve:kv_blocks_used") == 0 and server.metric("vllm:num_requests_running") == 0
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server):
+    wait_until(lambda: _idle(server), 30, what="idle server")
+    aborted_before = server.metric("vllm:request_success_total", finished_reason="abort")
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 800, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.url + COMPLETIONS, json=body) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks += 1
+                if chunks >= 3:
+                    break
+            assert server.metric("kvserve:kv_blocks_used") > 0  # it is running and holds blocks
+    t0 = time.monotonic()
+    wait_until(lambda: _idle(server), 10, what="blocks freed after disconnect")
+    assert time.monotonic() - t0 < 10  # long before 800 tokens could have been generated
+    assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted_before + 1
+
+
+def test_non_stream_disconnect_aborts(server):
+    wait_until(lambda: _idle(server), 30, what="idle server")
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 800, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + COMPLETIONS, json=body, timeout=httpx.Timeout(60, read=2.0))
+    wait_until(lambda: _idle(server), 10, what="blocks freed after a non-streaming client left")
+
+
+def test_reset_prefix_cache_refuses_while_blocks_in_use(server):
+    wait_until(lambda: _idle(server), 30, what="idle server")
+    body = {"prompt": "Tell me a story.", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.url + COMPLETIONS, json=body) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+            busy = httpx.post(f"{server.url}/reset_prefix_cache")
+    assert busy.status_code == 409
+    assert "blocks" in busy.json()["error"]["message"] and "in use" in busy.json()["error"]["message"]
+    wait_until(lambda: _idle(server), 10, what="idle server")
+    ok = httpx.post(f"{server.url}/reset_prefix_cache")
+    assert ok.status_code == 200
+    assert server.metric("kvserve:kv_blocks_cached") == 0

@@ -1,0 +1,147 @@
+"""The official `openai` client against the real server: completions, chat, streaming, n, logprobs,
+cached_tokens from the prefix cache."""
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import openai
+import pytest
+from server_util import MAIN_ARGS, shared_server
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def server(request):
+    return shared_server(request, *MAIN_ARGS)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def test_models_lists_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    choice = full.choices[0]
+    assert choice.text and choice.finish_reason in ("length", "stop")
+    assert full.usage.completion_tokens == (12 if choice.finish_reason == "length" else full.usage.completion_tokens)
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text  # greedy: streaming changes the transport, not the tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=[{"role": "system", "content": "You are terse."},
+                                      {"role": "user", "content": "Name a fruit."}], max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kw)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    stream = list(client.chat.completions.create(**kw, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == msg.content
+    assert stream[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_n2_gives_two_indexed_choices(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert 2 <= r.usage.completion_tokens <= 12  # both sequences' tokens are counted
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          n=2, seed=5)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_seeded_n2_matches_two_seeded_single_runs(client):
+    """Sequence i of a seeded n-request samples with seed + i (engine contract), so it is reproducible."""
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=6, temperature=1.0)
+    both = client.completions.create(**kw, n=2, seed=11)
+    again = client.completions.create(**kw, n=2, seed=11)
+    assert [c.text for c in both.choices] == [c.text for c in again.choices]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 1 <= len(top) <= 3
+        assert value == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the top token
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4)
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+
+
+def test_cached_tokens_on_shared_system_prompt(client):
+    system = f"[{uuid.uuid4()}] You are a support assistant for a bicycle shop. " + \
+        "Answer questions about gears, brakes, tyres, chains and saddles politely and briefly. " * 12
+    usages = []
+    for question in ("How do I fix a flat tyre?", "How often should I oil the chain?"):
+        r = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+        usages.append(r.usage)
+    assert usages[0].prompt_tokens > 200
+    # A fresh uuid: only the chat template's fixed header ("<|im_start|>system\n") can hit, as the
+    # engine also reuses partial blocks.
+    assert usages[0].prompt_tokens_details.cached_tokens <= 4
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert cached >= 160 and cached < usages[1].prompt_tokens  # the shared system prompt, not the question
+
+
+def test_token_id_prompts_and_batches(client, server):
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=["Hello there", "The sky is"], max_tokens=3,
+                                      temperature=0, n=2)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == by_text.choices[0].text[:len(batch.choices[0].text)]
+
+
+def test_stop_string_and_vllm_extras(client):
+    r = client.completions.create(model=MODEL, prompt="a b c d e f g h", max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True, "min_tokens": 3, "top_k": 1,
+                                              "repetition_penalty": 1.0, "priority": 0})
+    assert r.usage.completion_tokens == 20  # ignore_eos: runs to max_tokens
+    stop_on = r.choices[0].text.split()[1] if len(r.choices[0].text.split()) > 2 else None
+    if stop_on:
+        s = client.completions.create(model=MODEL, prompt="a b c d e f g h", max_tokens=20, temperature=0,
+                                      stop=[stop_on])
+        assert s.choices[0].finish_reason == "stop" and stop_on not in s.choices[0].text
+
+
+def test_tokenize_detokenize_round_trip(server):
+    t = httpx.post(f"{server.url}/tokenize", json={"prompt": "Paged attention!"}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 1024
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == "Paged attention!"
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 3
+
+
+def test_version_and_health(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
