@@ -51,10 +51,9 @@ def smollm2_gguf_path() -> Path:
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
     """kvserve's Tokenizer rebuilt from the SmolLM2 GGUF metadata (cached: parsing takes seconds)."""
-    from kvserve.model.gguf import read_gguf
     from kvserve.model.tokenizer import Tokenizer
 
-    return Tokenizer.from_gguf_metadata(read_gguf(smollm2_gguf_path()).metadata)
+    return Tokenizer.from_gguf_metadata(_smollm2_metadata())
 
 
 def build_hf_model(kind: str = "llama_gqa", seed: int = 0):
@@ -74,6 +73,91 @@ def build_hf_model(kind: str = "llama_gqa", seed: int = 0):
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     return model
+
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm"}
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf's q/k row order for the llama architecture (rotate-half -> interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def make_tiny_gguf(directory: str | Path, kind: str = "llama_gqa", *, seed: int = 0, quantize: bool = False) -> Path:
+    """Write `kind` (same weights as make_tiny_model) as a GGUF file the way llama.cpp's converter would.
+
+    Matrices are Q8_0 when quantize=True, else F32; norms stay F32. Llama q/k rows are permuted.
+    Only llama_* kinds and qwen2_bias have a GGUF form here (llama.cpp writes Mistral as llama).
+    """
+    import gguf
+    import numpy as np
+
+    prefix, _ = TINY_MODEL_SPECS[kind]
+    arch = {"Llama": "llama", "Qwen2": "qwen2"}.get(prefix)
+    if arch is None:
+        raise ValueError(f"no GGUF form for tiny model kind {kind!r}")
+    model = build_hf_model(kind, seed)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    path = Path(directory) / f"{kind}.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(kind)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    md = _smollm2_metadata()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(md["tokenizer.ggml.tokens"])
+    writer.add_token_types(md["tokenizer.ggml.token_type"])
+    writer.add_token_merges(md["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(md["tokenizer.chat_template"])
+    for name, w in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}.get(name)
+        if gname is None:
+            _, _, layer, *part, kind_ = name.split(".")
+            gname = f"blk.{layer}.{_GGUF_NAMES['.'.join(part)]}.{kind_}"
+        if arch == "llama" and ".attn_q." in gname:
+            w = llama_cpp_permute(w, c.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in gname:
+            w = llama_cpp_permute(w, c.num_key_value_heads)
+        arr = w.detach().float().numpy()
+        if quantize and arr.ndim == 2:
+            writer.add_tensor(gname, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gname, np.ascontiguousarray(arr))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_metadata() -> dict:
+    from kvserve.model.gguf import read_gguf
+
+    return read_gguf(smollm2_gguf_path()).metadata
 
 
 def make_tiny_model(directory: str | Path, kind: str = "llama_gqa", *, seed: int = 0, sharded: bool = False) -> Path:
