@@ -35,6 +35,8 @@ class EngineSetup:
     tokenizer: object
     runner: object  # kvserve.engine.model_runner.ModelRunner
     budget: KVBudget
+    # Identity of the KV block bytes (kvserve.kv.tiers.EngineFingerprint); set when tiers are on.
+    fingerprint: object | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -93,6 +95,10 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device.type)
     loaded = load_model(args.model, dtype=dtype)
+    tokenizer = loaded.tokenizer
+    if args.tokenizer:
+        from kvserve.model.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     cfg = loaded.config
     bpb = kv_cache_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype, dtype)
     gpu_budget = None
@@ -106,7 +112,11 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
                 budget.num_blocks, args.block_size, budget.num_tokens,
                 budget.num_blocks * bpb / 2**20, bpb, args.kv_cache_dtype, budget.max_model_len,
                 budget.max_concurrency)
-    return EngineSetup(cfg, loaded.tokenizer, runner, budget)
+    fingerprint = None
+    if args.has_kv_tiers:
+        from kvserve.engine.kv_transfer import engine_fingerprint
+        fingerprint = engine_fingerprint(args, cfg, loaded.weights, dtype, runner.kv_cache)
+    return EngineSetup(cfg, loaded.tokenizer, runner, budget, fingerprint)
 
 
 def _cuda_kv_budget(args: EngineArgs, weights: dict) -> int:
