@@ -7,11 +7,13 @@ the same thing to a server, the simulator and the real engine.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from kvserve.config import ConfigError
 
@@ -146,40 +148,40 @@ def _tokens(rng: random.Random, n: int, token_range: tuple[int, int]) -> list[in
     return [rng.randrange(lo, hi) for _ in range(n)]
 
 
-def poisson_arrivals(n: int, rate: float | None, rng: random.Random) -> list[float]:
-    """Arrival offsets of a Poisson process (exponential gaps); all zero without a rate."""
-    if rate is None:
-        return [0.0] * n
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
+def is_shared(i: int, fraction: float) -> bool:
+    """Conversation i starts with the shared prefix: spread evenly, so that every run of n
+    conversations carries round(fraction * n) of them (+-1), not a binomial draw."""
+    return math.floor((i + 1) * fraction + 1e-9) > math.floor(i * fraction + 1e-9)
 
 
-def synthetic_trace(spec: WorkloadSpec) -> Trace:
+def iter_conversations(spec: WorkloadSpec, rng: random.Random | None = None) -> Iterator[Conversation]:
+    """An endless stream of conversations (bench --duration draws as many as it needs)."""
     spec.validate()
-    rng = random.Random(spec.seed)
+    rng = rng or random.Random(spec.seed)
     prefix = _tokens(rng, spec.prefix_len, spec.token_range)
-    arrivals = poisson_arrivals(spec.num_conversations, spec.request_rate, rng)
-    # Exactly round(fraction * n) conversations share the prefix, spread evenly, so small runs
-    # carry the asked-for fraction rather than a binomial draw of it.
-    n_shared = round(spec.shared_prefix_fraction * spec.num_conversations)
-    shared = {math.floor(i * spec.num_conversations / n_shared) for i in range(n_shared)} if n_shared else set()
-    convs = []
-    for i in range(spec.num_conversations):
+    t = 0.0
+    for i in itertools.count():
         turns = []
         for k in range(spec.num_turns):
             user = _tokens(rng, spec.prompt_len.sample(rng), spec.token_range)
-            if k == 0 and i in shared:
+            if k == 0 and is_shared(i, spec.shared_prefix_fraction):
                 user = prefix + user
             turns.append(Turn(user, spec.output_len.sample(rng)))
         priority = rng.randrange(spec.priority_levels) if spec.priority_levels > 1 else 0
-        convs.append(Conversation(f"conv-{i}", arrivals[i], turns, priority))
-    desc = (f"synthetic: {spec.num_conversations} conversations x {spec.num_turns} turn(s), prompt {spec.prompt_len}, "
-            f"output {spec.output_len}, shared prefix {spec.prefix_len} tokens on {n_shared}, "
-            f"{'all at t=0' if spec.request_rate is None else f'Poisson {spec.request_rate:g} req/s'}, seed {spec.seed}")
-    return Trace(convs, desc)
+        yield Conversation(f"conv-{i}", t, turns, priority)
+        if spec.request_rate is not None:
+            t += rng.expovariate(spec.request_rate)
+
+
+def describe(spec: WorkloadSpec) -> str:
+    return (f"synthetic: {spec.num_turns} turn(s) per conversation, prompt {spec.prompt_len}, output "
+            f"{spec.output_len}, shared prefix {spec.prefix_len} tokens on {spec.shared_prefix_fraction:.0%}, "
+            f"{'all at t=0' if spec.request_rate is None else f'Poisson {spec.request_rate:g}/s'}, seed {spec.seed}")
+
+
+def synthetic_trace(spec: WorkloadSpec) -> Trace:
+    convs = list(itertools.islice(iter_conversations(spec), spec.num_conversations))
+    return Trace(convs, f"{describe(spec)}, {spec.num_conversations} conversations")
 
 
 def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, prefix_len: int = 0,

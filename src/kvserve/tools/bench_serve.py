@@ -1,0 +1,355 @@
+"""`kvserve bench serve`: a load generator for any OpenAI-compatible server (/v1/completions, streaming).
+
+Closed loop (`--concurrency N`: N clients, each sends its next request when the last one ends)
+or open loop (`--request-rate R`: conversations start as a Poisson process, whatever the server's
+pace). Prompts are token ids, so lengths are exact and a shared prefix is shared token for token.
+A multi-turn conversation sends prompt + answer + new user tokens each turn; the answer's ids come
+from the server's /tokenize (vLLM and kvserve have it). The run always ends: at --num-requests,
+at --duration, or at the hard timeout, whichever comes first.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from kvserve.config import ConfigError
+from kvserve.tools.workload import (DEFAULT_TOKEN_RANGE, Conversation, LengthDist, WorkloadSpec, describe,
+                                    iter_conversations)
+
+
+@dataclass
+class RequestRecord:
+    conversation_id: str
+    turn: int
+    start: float  # seconds since the bench started
+    prompt_len: int
+    max_tokens: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
+    chunk_times: list[float] = field(default_factory=list, repr=False)  # absolute, for throughput over time
+    chunk_tokens: list[int] = field(default_factory=list, repr=False)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (vLLM's definition)."""
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class BenchConfig:
+    url: str
+    model: str
+    workload: WorkloadSpec
+    num_requests: int | None
+    duration: float | None
+    concurrency: int | None
+    request_rate: float | None
+    ignore_eos: bool = True
+    hard_timeout: float = 600.0
+    request_timeout: float = 300.0
+    api_key: str | None = None
+    progress: bool = True
+
+
+class Bench:
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.records: list[RequestRecord] = []
+        self.t0 = 0.0
+        self.issued = 0
+        self.tokenize_ok: bool | None = None
+        self.notes: list[str] = []
+        self._conversations = iter_conversations(cfg.workload)
+        self._answer_rng = random.Random(cfg.workload.seed + 1)
+        self._bar = None
+
+    # -- stop rule ------------------------------------------------------------------------------
+    def may_issue(self) -> bool:
+        c = self.cfg
+        if c.num_requests is not None and self.issued >= c.num_requests:
+            return False
+        return c.duration is None or time.monotonic() - self.t0 < c.duration
+
+    # -- one request ----------------------------------------------------------------------------
+    async def send(self, client: httpx.AsyncClient, conv: Conversation, turn: int, prompt: list[int]) -> tuple[RequestRecord, str]:
+        c = self.cfg
+        max_tokens = conv.turns[turn].output_len
+        rec = RequestRecord(conv.conversation_id, turn, time.monotonic() - self.t0, len(prompt), max_tokens)
+        body = {"model": c.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+                "ignore_eos": c.ignore_eos, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        text, start = [], time.monotonic()
+        last, seen_usage = None, 0
+        try:
+            async with client.stream("POST", f"{c.url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raw = (await resp.aread()).decode(errors="replace")
+                    rec.error = f"HTTP {resp.status_code}: {_error_message(raw)}"
+                    return rec, ""
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    usage = chunk.get("usage") or {}
+                    new_text = "".join(ch.get("text", "") for ch in chunk.get("choices", []))
+                    completion = usage.get("completion_tokens")
+                    # Tokens in this chunk: from continuous usage when the server sends it, else one per chunk.
+                    n = (completion - seen_usage) if completion is not None else (1 if new_text else 0)
+                    if completion is not None:
+                        seen_usage = completion
+                    if n <= 0 and not new_text:
+                        continue
+                    now = time.monotonic()
+                    if rec.ttft is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    text.append(new_text)
+                    rec.chunk_times.append(now - self.t0)
+                    rec.chunk_tokens.append(max(n, 0))
+                rec.output_tokens = seen_usage or sum(rec.chunk_tokens)
+                rec.e2e = time.monotonic() - start
+                if rec.ttft is None:
+                    rec.error = "the stream ended without a token"
+        except (httpx.HTTPError, json.JSONDecodeError) as e:
+            rec.error = f"{type(e).__name__}: {e}" or type(e).__name__
+        return rec, "".join(text)
+
+    async def answer_ids(self, client: httpx.AsyncClient, text: str, n_tokens: int) -> list[int]:
+        """The answer's token ids for the next turn's prompt, via /tokenize; random ids of the same
+        length if the server has no /tokenize (then answers are not reused from the cache)."""
+        if self.tokenize_ok is not False:
+            try:
+                r = await client.post(f"{self.cfg.url}/tokenize", json={"model": self.cfg.model, "prompt": text,
+                                                                        "add_special_tokens": False})
+                if r.status_code == 200:
+                    self.tokenize_ok = True
+                    return list(r.json()["tokens"])
+            except httpx.HTTPError:
+                pass
+            if self.tokenize_ok is None:
+                self.tokenize_ok = False
+                self.notes.append("the server has no working /tokenize: multi-turn prompts carry random tokens in "
+                                  "place of each answer, so answer reuse is not measured")
+        lo, hi = self.cfg.workload.token_range
+        return [self._answer_rng.randrange(lo, hi) for _ in range(n_tokens)]
+
+    async def conversation(self, client: httpx.AsyncClient, conv: Conversation) -> None:
+        prompt: list[int] = []
+        for k, turn in enumerate(conv.turns):
+            if k and not self.may_issue():
+                return
+            self.issued += k > 0  # turn 0 was counted when the conversation was taken
+            prompt = prompt + turn.user_token_ids
+            rec, text = await self.send(client, conv, k, prompt)
+            self.records.append(rec)
+            if self._bar is not None:
+                self._bar.update(1)
+            if rec.error or k + 1 == len(conv.turns):
+                return
+            prompt = prompt + await self.answer_ids(client, text, rec.output_tokens)
+
+    def take(self) -> Conversation | None:
+        if not self.may_issue():
+            return None
+        self.issued += 1
+        return next(self._conversations)
+
+    # -- load shapes ------------------------------------------------------------------------------
+    async def closed_loop(self, client: httpx.AsyncClient) -> None:
+        async def worker() -> None:
+            while (conv := self.take()) is not None:
+                await self.conversation(client, conv)
+        await asyncio.gather(*(worker() for _ in range(self.cfg.concurrency)))
+
+    async def open_loop(self, client: httpx.AsyncClient) -> None:
+        tasks = []
+        while (conv := self.take()) is not None:
+            if self.cfg.duration is not None and conv.arrival_time >= self.cfg.duration:
+                break  # its start would fall after --duration
+            delay = self.t0 + conv.arrival_time - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(self.conversation(client, conv)))
+        await asyncio.gather(*tasks)
+
+    async def run(self) -> float:
+        c = self.cfg
+        headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        timeout = httpx.Timeout(c.request_timeout, connect=min(30.0, c.request_timeout))
+        total = c.num_requests if c.num_requests is not None else None
+        if c.progress:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, unit="req", desc="bench", file=sys.stderr, dynamic_ncols=True)
+        self.t0 = time.monotonic()
+        async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+            shape = self.closed_loop(client) if c.concurrency else self.open_loop(client)
+            try:
+                await asyncio.wait_for(shape, c.hard_timeout)
+            except asyncio.TimeoutError:
+                self.notes.append(f"hard timeout: stopped after {c.hard_timeout:g} s; requests still running were "
+                                  "cancelled and are not counted")
+        if self._bar is not None:
+            self._bar.close()
+        return time.monotonic() - self.t0
+
+
+def _error_message(raw: str) -> str:
+    try:
+        err = json.loads(raw)
+        return err.get("error", {}).get("message") or err.get("message") or raw[:300]
+    except (json.JSONDecodeError, AttributeError):
+        return raw[:300]
+
+
+def resolve_model(url: str, model: str | None, api_key: str | None) -> str:
+    """--model, or the first model the server lists at /v1/models."""
+    if model:
+        return model
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"--url {url}: cannot reach the server ({type(e).__name__}: {e}); is it running?") from None
+    if r.status_code != 200:
+        raise ConfigError(f"--url {url}: GET /v1/models answered HTTP {r.status_code} ({_error_message(r.text)}); "
+                          "pass --model (and --api-key if the server needs one)")
+    data = r.json().get("data") or []
+    if not data:
+        raise ConfigError(f"--url {url}: the server lists no models; pass --model")
+    return data[0]["id"]
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def add_parser(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (bench serve: load-test a server)",
+                                  description="Benchmarks. `kvserve bench serve --url URL` load-tests an "
+                                              "OpenAI-compatible server.")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench.set_defaults(_bench_parser=bench)
+    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (/v1/completions, streaming)",
+                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
+    load = p.add_argument_group("load (one of)")
+    load.add_argument("--concurrency", type=int, help="closed loop: N clients back to back (default 8)")
+    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals, conversations per second")
+    stop = p.add_argument_group("when to stop (the first reached; default --num-requests 100)")
+    stop.add_argument("--num-requests", type=int, help="requests to send (each turn counts)")
+    stop.add_argument("--duration", type=float, help="seconds to keep sending")
+    stop.add_argument("--hard-timeout", type=float, help="seconds after which everything is cancelled "
+                      "(default: --duration + 60, or 600)")
+    stop.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    w = p.add_argument_group("workload (prompts are token ids)")
+    w.add_argument("--prompt-len", default="256", help="N, LO:HI or normal:MEAN,STD new tokens per turn (default %(default)s)")
+    w.add_argument("--output-len", default="64", help="max_tokens: N, LO:HI or normal:MEAN,STD (default %(default)s)")
+    w.add_argument("--shared-prefix-fraction", type=float, default=0.0, help="fraction of conversations whose first "
+                   "prompt starts with one shared prefix")
+    w.add_argument("--prefix-len", type=int, default=0, help="shared prefix length in tokens")
+    w.add_argument("--multi-turn", type=int, default=1, metavar="K", help="turns per conversation; turn k's prompt is "
+                   "turn k-1's prompt + answer + new tokens")
+    w.add_argument("--token-range", default=f"{DEFAULT_TOKEN_RANGE[0]}:{DEFAULT_TOKEN_RANGE[1]}",
+                   help="token ids drawn for prompts, LO:HI (default %(default)s; must be inside the model's vocab)")
+    w.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let the model stop at EOS (default: ignore_eos, so outputs have the asked-for length)")
+    w.add_argument("--seed", type=int, default=0)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write the report (and per-request records) as JSON")
+    o.add_argument("--plot", metavar="PNG", help="latency CDFs and throughput over time (needs matplotlib)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args) -> BenchConfig:
+    if args.concurrency is not None and args.request_rate is not None:
+        raise ConfigError("give --concurrency (closed loop) or --request-rate (open loop), not both")
+    concurrency = args.concurrency if args.request_rate is None else None
+    if concurrency is None and args.request_rate is None:
+        concurrency = 8
+    if concurrency is not None and concurrency < 1:
+        raise ConfigError(f"--concurrency must be >= 1 (got {concurrency})")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ConfigError(f"--num-requests must be >= 1 (got {args.num_requests})")
+    if args.duration is not None and not args.duration > 0:
+        raise ConfigError(f"--duration must be > 0 seconds (got {args.duration})")
+    num_requests = 100 if args.num_requests is None and args.duration is None else args.num_requests
+    hard = args.hard_timeout or ((args.duration + 60) if args.duration else 600.0)
+    if hard <= 0 or args.request_timeout <= 0:
+        raise ConfigError(f"--hard-timeout and --request-timeout must be > 0 (got {hard}, {args.request_timeout})")
+    try:
+        lo, hi = (int(x) for x in args.token_range.split(":"))
+    except ValueError:
+        raise ConfigError(f"--token-range {args.token_range!r}: write LO:HI, e.g. 1000:30000") from None
+    spec = WorkloadSpec(num_conversations=num_requests or 1, prompt_len=LengthDist.parse(args.prompt_len, "--prompt-len"),
+                        output_len=LengthDist.parse(args.output_len, "--output-len"),
+                        shared_prefix_fraction=args.shared_prefix_fraction, prefix_len=args.prefix_len,
+                        num_turns=args.multi_turn, request_rate=args.request_rate, seed=args.seed, token_range=(lo, hi))
+    spec.validate()
+    url = args.url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--url {args.url!r}: write the server's base URL, e.g. http://127.0.0.1:8000")
+    return BenchConfig(url=url, model=args.model, workload=spec, num_requests=num_requests, duration=args.duration,
+                       concurrency=concurrency, request_rate=args.request_rate, ignore_eos=args.ignore_eos,
+                       hard_timeout=hard, request_timeout=args.request_timeout, api_key=args.api_key,
+                       progress=not args.no_progress)
+
+
+def run_bench(cfg: BenchConfig):
+    """Run the benchmark; returns (BenchReport, records)."""
+    from kvserve.tools.bench_report import summarize
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the progress bar
+    cfg.model = resolve_model(cfg.url, cfg.model, cfg.api_key)
+    bench = Bench(cfg)
+    duration = asyncio.run(bench.run())
+    load = (f"closed loop, concurrency {cfg.concurrency}" if cfg.concurrency
+            else f"open loop, Poisson {cfg.request_rate:g} conversations/s")
+    report = summarize(bench.records, duration, url=cfg.url, model=cfg.model, workload=describe(cfg.workload),
+                       load=load, notes=bench.notes)
+    return report, bench.records
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.tools.bench_report import PlotUnavailable, format_report, plot
+
+    if getattr(args, "bench_command", None) != "serve":
+        args._bench_parser.print_help(sys.stderr)
+        return 2
+    try:
+        cfg = config_from_args(args)
+        report, records = run_bench(cfg)
+    except ConfigError as e:
+        print(f"kvserve bench serve: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.json:
+        doc = {**asdict(report), "requests": [{k: v for k, v in asdict(r).items() if k not in ("chunk_times", "chunk_tokens")}
+                                              for r in records]}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+    if args.plot:
+        try:
+            plot(report, records, args.plot)
+        except PlotUnavailable as e:
+            print(f"kvserve bench serve: {e}", file=sys.stderr)
+            return 1
+    return 0 if report.completed else 1

@@ -1,0 +1,144 @@
+"""`kvserve bench serve` against a real `kvserve serve` on 127.0.0.1.
+
+The server's own Prometheus counters are the reference: the tokens and requests the bench reports
+must be the ones the server counted, and multi-turn prompts must hit the server's prefix cache.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.tools.bench_report import latency
+from kvserve.tools.workload import LengthDist, WorkloadSpec, is_shared, synthetic_trace
+from server_util import SMALL, shared_server
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="session")
+def server(request):
+    return shared_server(request, *SMALL, "--disable-log-stats")
+
+
+def counters(server) -> dict[str, float]:
+    return {name: server.metric(name) for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                                                   "vllm:prefix_cache_hits_total")}
+
+
+def bench(*args: str) -> int:
+    return main(["bench", "serve", "--no-progress", *args])
+
+
+def test_closed_loop_multi_turn_matches_server_counters(server, tmp_path, capsys):
+    before = counters(server)
+    out = tmp_path / "bench.json"
+    rc = bench("--url", server.url, "--concurrency", "3", "--num-requests", "8", "--prompt-len", "40:90",
+               "--output-len", "8", "--shared-prefix-fraction", "0.5", "--prefix-len", "32", "--multi-turn", "2",
+               "--seed", "7", "--json", str(out))
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "completed requests           8" in text and "TTFT" in text
+    doc = json.loads(out.read_text())
+    after = counters(server)
+    assert doc["completed"] == 8 and doc["errors"] == 0
+    assert doc["output_tokens"] == 8 * 8  # ignore_eos: every request generates max_tokens
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == doc["output_tokens"]
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == doc["input_tokens"]
+    reqs = doc["requests"]
+    # --num-requests caps requests, turns included: a conversation started near the cap may lose its
+    # second turn, but each conversation's turns are sent in order from turn 0.
+    turns = {}
+    for r in reqs:
+        turns.setdefault(r["conversation_id"], []).append(r["turn"])
+    assert all(sorted(t) == list(range(len(t))) for t in turns.values())
+    for r in reqs:
+        assert r["error"] is None and r["output_tokens"] == 8
+        assert 0 < r["ttft"] <= r["e2e"]
+        assert len(r["itl"]) == 7  # kvserve streams one token per chunk
+    # Every second turn starts with its whole first turn, whose full blocks are in the cache.
+    first = {r["conversation_id"]: r["prompt_len"] for r in reqs if r["turn"] == 0}
+    second = {r["conversation_id"]: r["prompt_len"] for r in reqs if r["turn"] == 1}
+    assert len(second) >= 2 and all(second[c] > first[c] + 8 for c in second)
+    expected_hits = sum(first[c] // BLOCK * BLOCK for c in second)
+    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= expected_hits
+    # First-turn prompt lengths are the workload's (the bench sends token ids: lengths are exact).
+    trace = synthetic_trace(WorkloadSpec(num_conversations=len(first), prompt_len=LengthDist.parse("40:90", "p"),
+                                         output_len=LengthDist.parse("8", "o"), shared_prefix_fraction=0.5,
+                                         prefix_len=32, num_turns=2, seed=7))
+    assert first == {c.conversation_id: len(c.first_prompt) for c in trace.conversations}
+    assert doc["ttft_ms"]["count"] == 8 and doc["itl_ms"]["count"] == 8 * 7
+    assert doc["ttft_ms"]["p50"] <= doc["ttft_ms"]["p99"] <= doc["ttft_ms"]["max"]
+
+
+def test_open_loop_duration_stops_by_itself(server, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    start = time.monotonic()
+    rc = bench("--url", server.url, "--request-rate", "4", "--duration", "2", "--prompt-len", "32",
+               "--output-len", "4", "--json", str(out))
+    elapsed = time.monotonic() - start
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["errors"] == 0 and doc["completed"] >= 2
+    assert "open loop, Poisson 4" in doc["load"]
+    # Nothing starts after 2 s; what started finishes (4 tokens each) well within the default bound.
+    assert max(r["start"] for r in doc["requests"]) < 2.0
+    assert elapsed < 60
+
+
+def test_hard_timeout_cancels_and_reports(server, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    start = time.monotonic()
+    rc = bench("--url", server.url, "--concurrency", "2", "--num-requests", "50", "--prompt-len", "16",
+               "--output-len", "600", "--hard-timeout", "3", "--json", str(out))
+    elapsed = time.monotonic() - start
+    assert elapsed < 20
+    doc = json.loads(out.read_text())
+    assert any("hard timeout" in n for n in doc["notes"])
+    assert doc["completed"] < 50
+    assert rc in (0, 1)  # 1 when not one request finished before the cut
+    assert "hard timeout" in capsys.readouterr().out
+
+
+def test_server_errors_are_counted_with_their_message(server, capsys):
+    rc = bench("--url", server.url, "--model", "no-such-model", "--concurrency", "2", "--num-requests", "3",
+               "--prompt-len", "8", "--output-len", "2")
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "failed requests              3" in text and "3 x HTTP 404" in text and "no-such-model" in text
+
+
+def test_user_errors_name_the_flag(capsys):
+    assert bench("--url", "http://127.0.0.1:9", "--num-requests", "1") == 2
+    assert "cannot reach the server" in capsys.readouterr().err
+    assert bench("--url", "127.0.0.1:8000") == 2
+    assert "--url" in capsys.readouterr().err
+    assert bench("--url", "http://x", "--concurrency", "2", "--request-rate", "1") == 2
+    assert "not both" in capsys.readouterr().err
+    assert bench("--url", "http://x", "--output-len", "normal:5") == 2
+    assert "--output-len" in capsys.readouterr().err
+
+
+def test_plot_writes_png_or_says_matplotlib_is_missing(server, tmp_path, capsys, monkeypatch):
+    png = tmp_path / "bench.png"
+    args = ["--url", server.url, "--concurrency", "2", "--num-requests", "2", "--prompt-len", "16",
+            "--output-len", "4", "--plot", str(png)]
+    try:
+        import matplotlib  # noqa: F401
+        assert bench(*args) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    except ImportError:
+        pass
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a machine without it
+    assert bench(*args) == 1
+    assert "--plot needs matplotlib, which is not installed" in capsys.readouterr().err
+
+
+def test_latency_percentiles_and_shared_prefix_spread():
+    s = latency([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert (s.count, s.p50, s.max) == (100, 50.5, 100.0)
+    assert s.p99 == pytest.approx(99.01)
+    for fraction in (0.0, 0.25, 0.5, 1 / 3, 1.0):
+        assert sum(is_shared(i, fraction) for i in range(300)) == round(300 * fraction)
