@@ -199,9 +199,25 @@ def test_fp8_per_head_and_static_scales():
     gk, _ = s.gather(0, torch.tensor([1]))
     ref = quant.dequantize_fp8(quant.quantize_fp8(k[:5], "fp8_e4m3", scale=0.05))
     assert torch.equal(gk[:5], ref)
-    with pytest.raises(ConfigError, match="only one of"):
+    with pytest.raises(quant.QuantError, match="only one of"):
         KVScales.from_weights({"model.layers.0.self_attn.k_scale": torch.tensor(1.0)}, 2)
     assert KVScales.from_weights({}, 2) is None
+
+
+@pytest.mark.parametrize("dt", ["int8", "int4"])
+def test_int_without_residual_quantizes_each_token_when_written(dt):
+    c = IntPagedKVCache(TINY, num_blocks=6, block_size=8, dtype=torch.float32, kv_cache_dtype=dt,
+                        residual=False)
+    assert not c.staged and c.residual_pool_bytes == 0
+    k, v = samples(50, (11, 2, 16), outliers=True), samples(51, (11, 2, 16))
+    write_seq(c, [5, 0], k, v, [3, 1, 7])
+    gk, gv = c.gather(0, torch.tensor([5, 0]))
+    bits, g = quant.INT_BITS[dt], c.groups.value_channels
+    for got, x in ((gk, k), (gv, v)):  # keys per token too: each token is final when written
+        assert torch.equal(got[:11], quant.dequantize_groups(quant.quantize_groups(x, bits, g, 2)))
+    c.copy_blocks([BlockCopy(0, 3, 2)])
+    g3, _ = c.gather(0, torch.tensor([3]))
+    assert torch.equal(g3[:2], gk[8:10])
 
 
 def test_residual_pool_eviction_reopen_and_exhaustion():

@@ -15,6 +15,7 @@ Formats and the error each admits (the tests check exactly these bounds):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -160,6 +161,34 @@ def dequantize_groups(q: GroupQuantized, dtype: torch.dtype = torch.float32) -> 
     grouped = codes.unflatten(q.axis, (n // q.group_size, q.group_size)).float()
     x = grouped * q.scale.float().unsqueeze(q.axis + 1) + q.zero.float().unsqueeze(q.axis + 1)
     return x.flatten(q.axis, q.axis + 1).to(dtype)
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """Static fp8 scales per layer (`[L]`, or `[L, num_kv_heads]` per head), as vLLM's fp8
+    checkpoints ship them (`model.layers.{i}.self_attn.k_scale` / `.v_scale`)."""
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    @classmethod
+    def from_weights(cls, weights: dict[str, torch.Tensor], num_layers: int) -> KVScales | None:
+        """The checkpoint's scales, or None when it has none. Older vLLM checkpoints store one
+        `kv_scale` for both K and V."""
+        ks, vs = [], []
+        for i in range(num_layers):
+            p = f"model.layers.{i}.self_attn."
+            k = weights.get(p + "k_scale", weights.get(p + "kv_scale"))
+            v = weights.get(p + "v_scale", weights.get(p + "kv_scale"))
+            if k is None and v is None:
+                if ks:
+                    raise QuantError(f"checkpoint has fp8 k_scale/v_scale for layers 0..{i - 1} "
+                                      f"but not layer {i}; it is incomplete - re-export its KV scales")
+                return None
+            if k is None or v is None:
+                raise QuantError(f"layer {i}: checkpoint has only one of k_scale/v_scale")
+            ks.append(k.float().reshape(-1))
+            vs.append(v.float().reshape(-1))
+        return cls(torch.stack(ks).squeeze(-1), torch.stack(vs).squeeze(-1))
 
 
 # ------------------------------------------------------------------------------ byte accounting

@@ -19,7 +19,6 @@ quantized per token like values) need no residual: every token is quantized when
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -27,38 +26,11 @@ import torch
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.engine.scheduler_output import BlockCopy
 from kvserve.kv import quant
+from kvserve.kv.quant import KVScales
 from kvserve.model.kv_cache import KVCache, _copy_slot_indices, register_kv_cache
 
 DEFAULT_GROUP_SIZE = 32  # chosen by bench/kv_quality.py (see README): see the report there
 DEFAULT_NUM_RESIDUAL_BLOCKS = 256  # = EngineArgs.max_num_seqs default
-
-
-@dataclass(frozen=True)
-class KVScales:
-    """Static fp8 scales per layer (`[L]`, or `[L, num_kv_heads]` per head), as vLLM's fp8
-    checkpoints ship them (`model.layers.{i}.self_attn.k_scale` / `.v_scale`)."""
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-
-    @classmethod
-    def from_weights(cls, weights: dict[str, torch.Tensor], num_layers: int) -> KVScales | None:
-        """The checkpoint's scales, or None when it has none. Older vLLM checkpoints store one
-        `kv_scale` for both K and V."""
-        ks, vs = [], []
-        for i in range(num_layers):
-            p = f"model.layers.{i}.self_attn."
-            k = weights.get(p + "k_scale", weights.get(p + "kv_scale"))
-            v = weights.get(p + "v_scale", weights.get(p + "kv_scale"))
-            if k is None and v is None:
-                if ks:
-                    raise ConfigError(f"checkpoint has fp8 k_scale/v_scale for layers 0..{i - 1} "
-                                      f"but not layer {i}; it is incomplete - re-export its KV scales")
-                return None
-            if k is None or v is None:
-                raise ConfigError(f"layer {i}: checkpoint has only one of k_scale/v_scale")
-            ks.append(k.float().reshape(-1))
-            vs.append(v.float().reshape(-1))
-        return cls(torch.stack(ks).squeeze(-1), torch.stack(vs).squeeze(-1))
 
 
 def _residual_state_bytes(model_config: ModelConfig, block_size: int, model_dtype: torch.dtype) -> int:
