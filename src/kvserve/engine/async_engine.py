@@ -211,7 +211,14 @@ class AsyncLLM:
                 command()
             outputs: list = []
             if self.engine.has_unfinished_requests():
+                started = time.monotonic()
                 outputs = self._step()
+                if not outputs and time.monotonic() - started < 1e-3:
+                    # Nothing could be scheduled (no forward ran): back off briefly instead of
+                    # spinning, which would starve the event loop of the GIL.
+                    with self._cv:
+                        if not self._commands:
+                            self._cv.wait(0.005)
             self._publish(outputs)
         self._fail_all(EngineDeadError("the server is shutting down"))
         logger.info("engine loop stopped")
