@@ -216,7 +216,9 @@ def test_bfloat16_close_to_hf():
             ref = hf(torch.tensor([toks])).logits[0].float()
         assert ours[s].dtype == torch.float32
         err = (ours[s] - ref).abs().max().item()
-        assert err < 0.1 * ref.abs().max().item(), f"{s}: bf16 max diff {err}"
+        assert err < 0.15, f"{s}: bf16 max diff {err} (bf16 rounding alone gives ~0.08 here)"
+        agree = (ours[s].argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert agree >= 0.9, f"{s}: bf16 argmax agrees on only {agree:.0%} of positions"
 
 
 # ---- the runner: greedy generation token for token, copy-on-write through block_copies ----

@@ -88,7 +88,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _plan_decode(self, meta: AttentionMetadata) -> _DecodePlan:
         bs = meta.block_size
-        seqs_np = meta.decode_seq_ids.cpu().numpy()
+        # From the host-side lists, so planning never waits on the device.
+        seqs_np = np.nonzero(np.asarray(meta.query_lens) == 1)[0]
         seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)[seqs_np]
         q_pos = seq_lens - 1
         if self.sliding_window is None:
