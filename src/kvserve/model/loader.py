@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.model import gguf_cache
 from kvserve.model.gguf import GGUFFormatError, config_from_gguf, read_gguf, weights_from_gguf
 from kvserve.model.tokenizer import Tokenizer, TokenizerError
 
@@ -155,16 +156,25 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedM
     return _load_from_hub(model, dtype)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, use_cache: bool = True) -> LoadedModel:
+    """Dequantize a GGUF file (through the disk cache of kvserve.model.gguf_cache when allowed)."""
     path = Path(path)
-    try:
-        gguf_file = read_gguf(path)
-        config = config_from_gguf(gguf_file)
-        tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata)
-        weights = weights_from_gguf(gguf_file, config, dtype)
-    except (GGUFFormatError, TokenizerError) as e:
-        raise ModelLoadError(str(e)) from None
-    tokenizer.add_eos_token_ids(config.eos_token_ids)
+    cached = gguf_cache.load_cached(path) if use_cache else None
+    if cached is not None:
+        config, weights, tokenizer = cached
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+    else:
+        try:
+            gguf_file = read_gguf(path)
+            config = config_from_gguf(gguf_file)
+            tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata)
+            weights = weights_from_gguf(gguf_file, config, torch.float32)
+        except (GGUFFormatError, TokenizerError) as e:
+            raise ModelLoadError(str(e)) from None
+        tokenizer.add_eos_token_ids(config.eos_token_ids)
+        if use_cache:
+            gguf_cache.store(path, config, weights, tokenizer)
+        weights = {k: v.to(dtype) for k, v in weights.items()}
     _check_weights(weights, config, str(path))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
