@@ -119,26 +119,34 @@ async def _guard_stream(request: Request, chunks: AsyncIterator[str]) -> AsyncIt
     """Stream SSE chunks; stop (and abort the request) the moment the client disconnects, even
     while the request is still queued and has produced nothing to send."""
     listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    nxt: asyncio.Future | None = None
     try:
         while True:
             nxt = asyncio.ensure_future(chunks.__anext__())
             await asyncio.wait({nxt, listener}, return_when=asyncio.FIRST_COMPLETED)
             if not nxt.done():
-                nxt.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await nxt
                 logger.info("client disconnected mid-stream; request aborted")
                 return
             try:
-                yield nxt.result()
+                chunk = nxt.result()
             except StopAsyncIteration:
                 return
+            nxt = None
+            yield chunk
     except (EngineStepError, EngineDeadError) as e:
         yield _sse(APIError(str(e), status=500, type="InternalServerError").to_dict())
         yield "data: [DONE]\n\n"
     finally:
+        # Nothing here may suspend: when Starlette cancels this response (its own disconnect
+        # watch), anyio cancels any await in scope. Cancelling a pending __anext__ runs the
+        # generator's finally (the abort) in that task; closing an idle generator runs it here,
+        # synchronously (the serving generators' cleanup never awaits).
         listener.cancel()
-        await chunks.aclose()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+        else:
+            with contextlib.suppress(RuntimeError):
+                await chunks.aclose()
 
 
 def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth: Authenticator,

@@ -186,31 +186,34 @@ class OpenAIServing:
                                     usage=self._usage(finals)).model_dump()
 
     async def _stream_completion(self, req: P.CompletionRequest, admitted: _Admitted) -> AsyncIterator[str]:
-        finals: dict[int, object] = {}
-        offsets: dict[int, int] = {}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        async for i, out in _merge(admitted):
-            finals[i] = out
-            for o in out.outputs:
-                index = i * req.n + o.index
-                text = o.delta_text
-                if req.echo and index not in offsets:
-                    text = self.tokenizer.decode(out.prompt_token_ids) + text
-                if not text and not o.finish_reason and not o.delta_logprobs:
-                    continue
-                lp = self._completion_logprobs(o.delta_logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(text)
-                chunk = P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[
-                    P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
-                                       stop_reason=o.stop_reason)])
-                if include_usage and continuous:
-                    chunk.usage = self._usage(list(finals.values()))
-                yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
-        if include_usage:
-            yield _sse(P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[],
-                                         usage=self._usage(list(finals.values()))).model_dump())
-        yield "data: [DONE]\n\n"
+        try:
+            finals: dict[int, object] = {}
+            offsets: dict[int, int] = {}
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            async for i, out in _merge(admitted):
+                finals[i] = out
+                for o in out.outputs:
+                    index = i * req.n + o.index
+                    text = o.delta_text
+                    if req.echo and index not in offsets:
+                        text = self.tokenizer.decode(out.prompt_token_ids) + text
+                    if not text and not o.finish_reason and not o.delta_logprobs:
+                        continue
+                    lp = self._completion_logprobs(o.delta_logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                    chunk = P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[
+                        P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
+                                           stop_reason=o.stop_reason)])
+                    if include_usage and continuous:
+                        chunk.usage = self._usage(list(finals.values()))
+                    yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
+            if include_usage:
+                yield _sse(P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[],
+                                             usage=self._usage(list(finals.values()))).model_dump())
+            yield "data: [DONE]\n\n"
+        finally:
+            admitted.abort()  # idempotent; covers a client that leaves between chunks
 
     # ----- /v1/chat/completions -----
 
@@ -262,27 +265,30 @@ class OpenAIServing:
                                         usage=self._usage([out])).model_dump()
 
     async def _stream_chat(self, req: P.ChatCompletionRequest, admitted: _Admitted) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        rid, model = admitted.request_id, self.model_name
-        for i in range(req.n):  # the role comes first, as OpenAI sends it
-            yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
-                index=i, delta=P.DeltaMessage(role="assistant", content=""))]).model_dump(exclude_none=True))
-        last = None
-        async for _, out in _merge(admitted):
-            last = out
-            for o in out.outputs:
-                if not o.delta_text and not o.finish_reason and not o.delta_logprobs:
-                    continue
-                chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
-                    index=o.index, delta=P.DeltaMessage(content=o.delta_text), finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason, logprobs=self._chat_logprobs(o.delta_logprobs))])
-                if include_usage and continuous:
-                    chunk.usage = self._usage([out])
-                yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
-        if include_usage and last is not None:
-            yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[], usage=self._usage([last])).model_dump())
-        yield "data: [DONE]\n\n"
+        try:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            rid, model = admitted.request_id, self.model_name
+            for i in range(req.n):  # the role comes first, as OpenAI sends it
+                yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
+                    index=i, delta=P.DeltaMessage(role="assistant", content=""))]).model_dump(exclude_none=True))
+            last = None
+            async for _, out in _merge(admitted):
+                last = out
+                for o in out.outputs:
+                    if not o.delta_text and not o.finish_reason and not o.delta_logprobs:
+                        continue
+                    chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
+                        index=o.index, delta=P.DeltaMessage(content=o.delta_text), finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason, logprobs=self._chat_logprobs(o.delta_logprobs))])
+                    if include_usage and continuous:
+                        chunk.usage = self._usage([out])
+                    yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
+            if include_usage and last is not None:
+                yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[], usage=self._usage([last])).model_dump())
+            yield "data: [DONE]\n\n"
+        finally:
+            admitted.abort()  # idempotent; covers a client that leaves between chunks
 
     # ----- shared -----
 
