@@ -16,13 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvserve.config import EngineArgs
+from kvserve.config import ConfigError, EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import (CompletionOutput, EngineStats, LogprobEntry, RequestError,
                                     RequestMetrics, RequestOutput)
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.kv_transfer import build_kv_tiers
 from kvserve.engine.setup import EngineSetup, build_engine_parts
 from kvserve.kv.manager import KVCacheManager
 
@@ -62,15 +63,21 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.runner = setup.runner
         self.max_model_len = setup.max_model_len
+        self.kv_tiers, self.kv_transfer = None, None
+        if args.has_kv_tiers:
+            if setup.fingerprint is None:
+                raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
+                                  "build_engine_parts, or set EngineSetup.fingerprint")
+            self.kv_tiers, self.kv_transfer = build_kv_tiers(args, setup.fingerprint, self.runner.kv_cache)
         self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
-                                 args.kv_cache_dtype)
+                                 args.kv_cache_dtype, tiers=self.kv_tiers)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.resolved_max_num_batched_tokens(self.max_model_len),
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
-            cache_aware=args.cache_aware_scheduling), self.kv)
+            cache_aware=args.cache_aware_scheduling, preemption_mode=args.preemption_mode), self.kv)
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, _Sequence] = {}
         self._group_of: dict[str, _Group] = {}
@@ -170,6 +177,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Write queued blocks down and release the tiers (the disk tier's directory lock)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+            self.kv_tiers = None
+
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -177,6 +190,8 @@ class LLMEngine:
         for entry in sched.scheduled:
             if entry.request.first_scheduled_time is None:
                 entry.request.first_scheduled_time = now
+        if self.kv_transfer is not None and (sched.kv_offloads or sched.kv_restores):
+            self.kv_transfer.apply(sched)  # before the runner's copies and forward write the pool
         if sched.is_empty and not sched.finished_req_ids:
             return []
         result = self.runner.execute(sched)  # an empty step still drops finished requests' state
@@ -246,7 +261,7 @@ class LLMEngine:
         u = self.kv.usage()
         s = self.kv.stats
         total = max(u.num_blocks, 1)
-        return EngineStats(
+        stats = EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_blocks_total=u.num_blocks, num_blocks_free=u.num_free, num_blocks_used=u.num_used,
             num_blocks_cached=u.num_cached, kv_usage=u.num_used / total, cached_usage=u.num_cached / total,
@@ -255,4 +270,34 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_cached_block_evictions=u.num_evictions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            tier_hits={"device": s.hits + s.resume_hits})
+            tier_hits={"device": s.hits + s.resume_hits - sum(s.tier_hits.values()), **s.tier_hits},
+            num_swapped_preemptions=self.scheduler.num_swaps)
+        if self.kv_tiers is not None:
+            self._tier_stats(stats)
+        return stats
+
+    def _tier_stats(self, stats: EngineStats) -> None:
+        chain = self.kv_tiers
+        for name, usage in chain.usage().items():
+            stats.tier_usage[name] = usage.fraction
+            stats.tier_used_bytes[name] = usage.used_bytes
+        for tier in chain.tiers:
+            t = tier.stats()
+            stats.tier_hits.setdefault(tier.name, 0)
+            stats.tier_lookup_hits[tier.name] = t.hits
+            stats.tier_misses[tier.name] = t.misses
+            stats.tier_corrupt[tier.name] = t.corrupt
+            stats.tier_incompatible[tier.name] = t.incompatible
+            stats.tier_errors[tier.name] = t.errors
+            stats.tier_bytes_read[tier.name] = t.bytes_read
+            stats.tier_bytes_written[tier.name] = t.bytes_written
+        c = chain.stats
+        if c.decode_failures:
+            stats.tier_corrupt["decode"] = c.decode_failures
+        stats.host_tier_usage = stats.tier_usage.get("host", 0.0)
+        stats.kv_restored_blocks = sum(c.restored_blocks.values())
+        stats.kv_restore_seconds = c.lookup_seconds + c.restore_seconds
+        stats.kv_offloaded_blocks = c.offloaded_blocks
+        stats.kv_offload_seconds = c.offload_seconds
+        stats.kv_offload_dropped_blocks = chain.writer.stats().dropped if chain.writer is not None else 0
+        stats.num_swap_fallbacks = c.swap_fallbacks

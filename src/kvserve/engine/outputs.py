@@ -89,4 +89,22 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     host_tier_usage: float = 0.0
+    # Prompt tokens served by source: 'device' (pool) and each offload tier ('host', 'disk', 'redis').
     tier_hits: dict[str, int] = field(default_factory=dict)
+    # Offload tiers, by tier name; counters are cumulative since start. Lookups count blocks.
+    tier_usage: dict[str, float] = field(default_factory=dict)  # used / capacity (0 when unknown)
+    tier_used_bytes: dict[str, int] = field(default_factory=dict)
+    tier_lookup_hits: dict[str, int] = field(default_factory=dict)
+    tier_misses: dict[str, int] = field(default_factory=dict)  # includes corrupt / incompatible
+    tier_corrupt: dict[str, int] = field(default_factory=dict)  # bad checksum, truncated, not a block
+    tier_incompatible: dict[str, int] = field(default_factory=dict)  # another engine fingerprint
+    tier_errors: dict[str, int] = field(default_factory=dict)  # backend failures (I/O, Redis down)
+    tier_bytes_read: dict[str, int] = field(default_factory=dict)
+    tier_bytes_written: dict[str, int] = field(default_factory=dict)
+    kv_restored_blocks: int = 0
+    kv_restore_seconds: float = 0.0  # tier lookups + writes into the pool
+    kv_offloaded_blocks: int = 0
+    kv_offload_seconds: float = 0.0  # engine-thread time spent reading + packing evicted blocks
+    kv_offload_dropped_blocks: int = 0  # the writer queue was full: those blocks were not kept
+    num_swapped_preemptions: int = 0  # preemptions whose KV went to the host tier
+    num_swap_fallbacks: int = 0  # swap preemptions that recomputed: no room in the host tier

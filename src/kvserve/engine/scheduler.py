@@ -4,7 +4,9 @@ Each step spends a token budget (`max_num_batched_tokens`) first on running requ
 costs one token, an unfinished prefill its next chunk — then admits waiting requests in policy
 order. When the KV pool runs out of blocks, running requests are preempted (all blocks freed,
 requeued at the front, resumed by prefill, which hits the prefix cache for whatever survived).
-Victim: the lowest priority first, then the one that loses the least computed work.
+Victim: the lowest priority first, then the one that loses the least computed work. With
+preemption_mode="swap" the victim's blocks are first copied to the host tier and restored on
+resume; when the host tier has no room the preemption recomputes instead.
 
 No tensors here: the same class drives the real model runner, the cost-model simulator and the
 property-based tests.
@@ -32,6 +34,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority
     cache_aware: bool = False  # admit the longest cached prefix first among waiting requests
     cache_aware_window: int = 128  # how many waiting requests the cache-aware pass looks at
+    preemption_mode: str = "recompute"  # recompute | swap
 
 
 class Scheduler:
@@ -43,6 +46,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # since the last schedule(), for the runner
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions whose blocks went to the host tier
 
     # -- queue management -----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -118,6 +122,7 @@ class Scheduler:
         if len(out.preempted_req_ids) == num_priority_preemptions:
             budget = self._admit_waiting(out, budget)
         out.block_copies = self.kv.take_copies()
+        out.kv_offloads, out.kv_restores = self.kv.take_transfers()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
@@ -152,7 +157,8 @@ class Scheduler:
             order = list(self.waiting)
         if cfg.cache_aware and len(order) > 1 and self.kv.enable_caching:
             window = order[:cfg.cache_aware_window]
-            hits = {r.request_id: self.kv.get_computed_blocks(r).num_tokens for r in window}
+            # Device pool only: ranking must not read disk / Redis for a whole window.
+            hits = {r.request_id: self.kv.get_computed_blocks(r, use_tiers=False).num_tokens for r in window}
             # Stable: among equal hits (and for priority, equal priority) arrival order stands.
             key = (lambda r: (r.priority, -hits[r.request_id])) if cfg.policy == "priority" \
                 else (lambda r: -hits[r.request_id])
@@ -175,6 +181,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput | None) -> None:
         num_blocks = len(self.kv.req_blocks.get(req.request_id, ()))
+        swapped = self.config.preemption_mode == "swap" and self.kv.swap_out(req)
+        self.num_swaps += swapped
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -183,7 +191,8 @@ class Scheduler:
         self.waiting.appendleft(req)
         if out is not None:
             out.preempted_req_ids.append(req.request_id)
-        logger.debug("preempted request %s (recompute), freed %d blocks", req.request_id, num_blocks)
+        logger.debug("preempted request %s (%s), freed %d blocks", req.request_id,
+                     "swap" if swapped else "recompute", num_blocks)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Make room for the most urgent waiting request by preempting strictly less urgent

@@ -19,6 +19,23 @@ class BlockCopy(NamedTuple):
     num_tokens: int
 
 
+class BlockOffload(NamedTuple):
+    """Copy block `block_id` down to the offload tiers under `key` before anything this step
+    writes into it (it was just evicted or freed, and may already be handed to someone else).
+    held=True: a swapped-out request's block, kept in host memory until the request resumes."""
+    block_id: int
+    key: bytes
+    held: bool = False
+
+
+class BlockRestore(NamedTuple):
+    """Write a block fetched from an offload tier into `block_id` before the forward. `data` is
+    opaque here: the runner-side transfer decoded and checked it when the lookup hit."""
+    block_id: int
+    data: object
+    tier: str
+
+
 @dataclass
 class ScheduledRequest:
     request: Request  # read-only for the runner: token ids, sampling params
@@ -39,6 +56,11 @@ class SchedulerOutput:
     # Requests that left since the previous step: the runner drops per-request state (generators).
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Offload tiers. Order in the step: offload reads first (the ids may be reused this step),
+    # then restores, then block_copies, then the forward (see kvserve.engine.kv_transfer).
+    # A copy source is never a restore target: the manager pins it while it schedules.
+    kv_offloads: list[BlockOffload] = field(default_factory=list)
+    kv_restores: list[BlockRestore] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

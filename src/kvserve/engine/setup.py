@@ -106,7 +106,8 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
         gpu_budget = _cuda_kv_budget(args, loaded.weights)
     budget = size_kv_pool(args, cfg, bpb, device, gpu_budget)
     runner = ModelRunner(cfg, loaded.weights, dtype=dtype, device=device, block_size=args.block_size,
-                         num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed)
+                         num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+                         attention_backend=args.attention_backend)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
                 "maximum concurrency for %d tokens per request: %.2fx",
                 budget.num_blocks, args.block_size, budget.num_tokens,

@@ -9,16 +9,30 @@ Works on token ids and block ids only; the model runner owns the tensors. Protoc
 A prefix hit is full cached blocks (shared by reference) plus, optionally, the first tokens of one
 more block copied into a fresh block of the request's own (copy-on-write), so a prefix that ends
 mid-block loses nothing.
+
+With offload tiers (`tiers`, a kvserve.kv.tiers.chain.TierChain), the lookup continues below the
+device pool: the next full blocks found in host / disk / Redis are restored into fresh blocks
+(`BlockRestore`s the runner applies before the forward) and become ordinary cached blocks when
+the step commits. Evicted full blocks are handed down (`BlockOffload`s). Swap preemption stores a
+victim's blocks, its last partial one included, as held host entries and restores them on resume.
+Payloads stay opaque here: no tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from kvserve.engine.request import Request
-from kvserve.engine.scheduler_output import BlockCopy
+from kvserve.engine.scheduler_output import BlockCopy, BlockOffload, BlockRestore
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.hashing import extend_block_hashes, root_hash
+
+if TYPE_CHECKING:
+    from kvserve.kv.tiers.chain import Fetched, TierChain
+
+# Tier lookups read disk / Redis: remember the last few per waiting request across attempts.
+_TIER_MEMO_SIZE = 16
 
 
 class PrefixHit(NamedTuple):
@@ -26,6 +40,15 @@ class PrefixHit(NamedTuple):
     num_tokens: int  # tokens served: len(blocks) * block_size + partial_tokens
     partial_src: Block | None = None  # block whose first `partial_tokens` slots are copied
     partial_tokens: int = 0
+    # Blocks fetched from offload tiers, restored after `blocks` (full blocks, except that a swap
+    # resume may end with a partial one holding `restored_partial` tokens).
+    restored: tuple = ()  # tuple[Fetched, ...]
+    restored_partial: int = 0
+
+
+class SwapRecord(NamedTuple):
+    keys: tuple[bytes, ...]  # host-tier keys of the request's blocks, in order
+    num_tokens: int  # tokens whose K/V they hold
 
 
 EMPTY_HIT = PrefixHit([], 0)
@@ -39,20 +62,30 @@ class PrefixCacheStats:
     resume_queries: int = 0
     resume_hits: int = 0
     partial_hit_tokens: int = 0  # part of `hits`/`resume_hits` served by copy-on-write
+    tier_hits: dict[str, int] = field(default_factory=dict)  # part of both restored from a tier
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  kv_cache_dtype: str = "auto",
-                 on_evict: Callable[[Block], None] | None = None) -> None:
+                 on_evict: Callable[[Block], None] | None = None,
+                 tiers: "TierChain | None" = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.kv_cache_dtype = kv_cache_dtype
-        self.pool = BlockPool(num_blocks, block_size, on_evict=on_evict)
+        self.tiers = tiers
+        self._user_on_evict = on_evict
+        offload = tiers is not None and enable_caching and bool(tiers.tiers)
+        self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict if offload else on_evict)
         self.req_blocks: dict[str, list[Block]] = {}
         self._roots: dict[str, bytes] = {}
         self._committed: dict[str, int] = {}  # tokens recorded into blocks, per request
         self._copies: list[BlockCopy] = []
+        self._offloads: list[BlockOffload] = []
+        self._restores: list[BlockRestore] = []
+        self._pinned: list[Block] = []  # copy sources held until the step's copies have run
+        self._swapped: dict[str, SwapRecord] = {}
+        self._tier_memo: OrderedDict[str, tuple[tuple[bytes, ...], tuple]] = OrderedDict()
         self.stats = PrefixCacheStats()
 
     # -- lookup -------------------------------------------------------------------------------
@@ -63,10 +96,14 @@ class KVCacheManager:
             self._roots[req.request_id] = root
         return root
 
-    def get_computed_blocks(self, req: Request) -> PrefixHit:
-        """Longest cached prefix of `req`, leaving at least its last token to compute."""
-        if not self.enable_caching or self.req_blocks.get(req.request_id):
+    def get_computed_blocks(self, req: Request, use_tiers: bool = True) -> PrefixHit:
+        """Longest cached prefix of `req`, leaving at least its last token to compute.
+        use_tiers=False looks at the device pool only (cheap: for ranking, not admission)."""
+        if self.req_blocks.get(req.request_id):
             return EMPTY_HIT
+        swapped = self._swapped.get(req.request_id)
+        if not self.enable_caching:
+            return self._swap_hit(req, swapped, [], 0) if swapped and use_tiers else EMPTY_HIT
         bs = self.block_size
         tokens = req.all_token_ids
         max_hit = req.num_tokens - 1  # the last token is always computed: its logits are needed
@@ -79,16 +116,42 @@ class KVCacheManager:
             if block is None or block.token_ids != tokens[i * bs:(i + 1) * bs]:
                 break
             blocks.append(block)
-        matched = len(blocks) * bs
+        if use_tiers and swapped is not None and swapped.num_tokens > len(blocks) * bs:
+            return self._swap_hit(req, swapped, blocks, len(blocks))
+        restored: tuple = ()
+        if use_tiers and self.tiers is not None and len(blocks) < max_hit // bs:
+            restored = self._fetch(req, tuple(hashes[len(blocks):max_hit // bs]))
+        matched = (len(blocks) + len(restored)) * bs
         want = tokens[matched:min(matched + bs, max_hit)]
         best, best_len = None, 0
         if want:
-            parent = hashes[len(blocks) - 1] if blocks else root
+            n_full = len(blocks) + len(restored)
+            parent = hashes[n_full - 1] if n_full else root
             for cand in self.pool.candidates(parent):
                 n = _common_prefix_len(cand.token_ids, want)
                 if n > best_len:
                     best, best_len = cand, n
-        return PrefixHit(blocks, matched + best_len, best, best_len)
+        return PrefixHit(blocks, matched + best_len, best, best_len, restored)
+
+    def _fetch(self, req: Request, keys: tuple[bytes, ...], host_only: bool = False) -> tuple:
+        memo = self._tier_memo.get(req.request_id)
+        if memo is not None and memo[0] == keys:
+            return memo[1]
+        fetched = tuple(self.tiers.fetch(keys, host_only=host_only))
+        self._tier_memo[req.request_id] = (keys, fetched)
+        self._tier_memo.move_to_end(req.request_id)
+        while len(self._tier_memo) > _TIER_MEMO_SIZE:
+            self._tier_memo.popitem(last=False)
+        return fetched
+
+    def _swap_hit(self, req: Request, swapped: SwapRecord, blocks: list[Block], start: int) -> PrefixHit:
+        """Resume of a swapped-out request: device blocks as found, the rest from its held entries."""
+        fetched = self._fetch(req, swapped.keys[start:], host_only=True)
+        bs = self.block_size
+        complete = start + len(fetched) == len(swapped.keys)
+        tail = swapped.num_tokens % bs if complete else 0
+        num_tokens = (start + len(fetched)) * bs - ((bs - tail) if tail else 0)
+        return PrefixHit(blocks, num_tokens, restored=fetched, restored_partial=tail)
 
     # -- allocation -----------------------------------------------------------------------------
     def num_blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit = EMPTY_HIT) -> int:
@@ -97,7 +160,14 @@ class KVCacheManager:
         computed = hit.num_tokens if not held else req.num_computed_tokens
         total = -(-(computed + num_new_tokens) // self.block_size)
         reused_free = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        if not held and self._pins_copy_source(hit):
+            reused_free += 1
         return max(0, total - len(held) - len(hit.blocks)) + reused_free
+
+    def _pins_copy_source(self, hit: PrefixHit) -> bool:
+        # Restores write before the step's copies run, so with tiers a free copy source is taken
+        # out of the free queue until then: it must not be handed out as a restore target.
+        return self.tiers is not None and hit.partial_src is not None and hit.partial_src.ref_cnt == 0
 
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = EMPTY_HIT) -> bool:
         return self.num_blocks_needed(req, num_new_tokens, hit) <= self.pool.num_free_blocks
@@ -109,11 +179,27 @@ class KVCacheManager:
         if not self.can_allocate(req, num_new_tokens, hit):
             return False
         blocks = self.req_blocks.setdefault(req.request_id, [])
-        if not blocks and (hit.blocks or hit.partial_src is not None):
+        swapped = self._swapped.pop(req.request_id, None) if not blocks else None
+        if swapped is not None:
+            self.tiers.discard(swapped.keys)  # restored now, or recomputed: either way done with
+            self.tiers.stats.swapped_in_blocks += len(hit.restored)
+        if not blocks:
+            self._tier_memo.pop(req.request_id, None)
+        if not blocks and (hit.blocks or hit.partial_src is not None or hit.restored):
             for b in hit.blocks:
                 self.pool.touch(b)
             blocks.extend(hit.blocks)
             self._committed[req.request_id] = len(hit.blocks) * self.block_size
+            if self._pins_copy_source(hit):
+                self.pool.touch(hit.partial_src)
+                self._pinned.append(hit.partial_src)
+            for f in hit.restored:
+                # Registered in the prefix cache by commit() after the step, like computed blocks.
+                dst = self.pool.allocate()
+                self._restores.append(BlockRestore(dst.block_id, f.data, f.tier))
+                blocks.append(dst)
+            if hit.restored:
+                self.tiers.count_restored(hit.restored)
             if hit.partial_src is not None:
                 # The copy runs before this step's forward; the source cannot be overwritten before
                 # then even if it is evicted below, since K/V is only written during the forward.
@@ -142,10 +228,52 @@ class KVCacheManager:
             s.queries += req.num_tokens
             s.hits += hit.num_tokens
         s.partial_hit_tokens += hit.partial_tokens
+        bs = self.block_size
+        for i, f in enumerate(hit.restored):
+            n = hit.restored_partial if i == len(hit.restored) - 1 and hit.restored_partial else bs
+            s.tier_hits[f.tier] = s.tier_hits.get(f.tier, 0) + n
 
     def take_copies(self) -> list[BlockCopy]:
         copies, self._copies = self._copies, []
         return copies
+
+    def take_transfers(self) -> tuple[list[BlockOffload], list[BlockRestore]]:
+        """End of scheduling: this step's tier reads and writes; copy sources are unpinned (the
+        runner copies before anything can write into them again)."""
+        if self._pinned:
+            self.pool.free(self._pinned)
+            self._pinned = []
+        offloads, self._offloads = self._offloads, []
+        restores, self._restores = self._restores, []
+        return offloads, restores
+
+    def _on_evict(self, block: Block) -> None:
+        if block.block_hash is not None:  # only full blocks have a chain hash to be found by
+            self._offloads.append(BlockOffload(block.block_id, block.block_hash))
+        if self._user_on_evict is not None:
+            self._user_on_evict(block)
+
+    # -- swap preemption ------------------------------------------------------------------------
+    def swap_out(self, req: Request) -> bool:
+        """Before `free` on preemption: hand the request's written blocks to the host tier (held
+        until it resumes). False, changing nothing, when there is no host tier or no room there:
+        the caller falls back to recompute."""
+        blocks = self.req_blocks.get(req.request_id)
+        num_tokens = self._committed.get(req.request_id, 0)
+        if not blocks or num_tokens <= 0 or self.tiers is None:
+            return False
+        n = -(-num_tokens // self.block_size)
+        tag = f"swap:{req.request_id}:{req.num_preemptions}:".encode()
+        keys = tuple(tag + str(i).encode() for i in range(n))
+        if not self.tiers.reserve_held(keys):
+            return False
+        self._offloads.extend(BlockOffload(b.block_id, k, held=True) for b, k in zip(blocks, keys))
+        self._swapped[req.request_id] = SwapRecord(keys, num_tokens)
+        return True
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._swapped)
 
     # -- after a step ---------------------------------------------------------------------------
     def commit(self, req: Request) -> None:
@@ -180,6 +308,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)
         self._committed.pop(req.request_id, None)
+        self._tier_memo.pop(req.request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
 
@@ -187,6 +316,9 @@ class KVCacheManager:
         """The request has left the engine for good."""
         self.free(req)
         self._roots.pop(req.request_id, None)
+        swapped = self._swapped.pop(req.request_id, None)
+        if swapped is not None:
+            self.tiers.discard(swapped.keys)
 
     def block_table(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]

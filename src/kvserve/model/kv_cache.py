@@ -59,6 +59,15 @@ class KVCache(ABC):
                         model_dtype: torch.dtype) -> int:
         """True bytes one block takes across all layers, K and V, including any scales."""
 
+    def read_blocks(self, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        """The stored form of whole blocks (offload tiers): tensors `[len(block_ids), ...]`, one per
+        storage field, exactly what `write_blocks` takes back."""
+        raise NotImplementedError(f"{type(self).__name__} cannot offload blocks (read_blocks)")
+
+    def write_blocks(self, block_ids: torch.Tensor, data: Sequence[torch.Tensor]) -> None:
+        """Inverse of `read_blocks`: overwrite whole blocks with previously read contents."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restore blocks (write_blocks)")
+
     def check_block_ids(self, block_ids: torch.Tensor) -> None:
         if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= self.num_blocks):
             raise IndexError(f"block id out of range [0, {self.num_blocks}): "
@@ -125,6 +134,14 @@ class PagedKVCache(KVCache):
         src_slots, dst_slots = src_slots.to(self.device), dst_slots.to(self.device)
         # The right-hand side is gathered before any write, so chains (a->b, b->c) read old data.
         self._slots[:, :, dst_slots] = self._slots[:, :, src_slots]
+
+    def read_blocks(self, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        # [n, layers, 2, block_size, H, D]: one block's bytes contiguous, for packing per block.
+        return [self.kv.index_select(2, block_ids.to(self.device)).movedim(2, 0).contiguous()]
+
+    def write_blocks(self, block_ids: torch.Tensor, data: Sequence[torch.Tensor]) -> None:
+        (blocks,) = data
+        self.kv[:, :, block_ids.to(self.device)] = blocks.to(self.device, self.dtype).movedim(0, 2)
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, kv_cache_dtype: str,

@@ -43,6 +43,12 @@ class HostTier(KVTier):
     def from_gib(cls, fingerprint: EngineFingerprint, swap_space_gib: float, **kwargs: Any) -> "HostTier":
         return cls(fingerprint, int(swap_space_gib * 1024**3), **kwargs)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of held (swap) entries: the part of the budget LRU eviction cannot free."""
+        with self._lock:
+            return self._held_bytes
+
     def put_held(self, key: bytes, payload: Buffer) -> bool:
         """Store an entry that LRU eviction must not touch (a swapped-out request's block)."""
         return self._put(key, payload, held=True)

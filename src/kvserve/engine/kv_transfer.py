@@ -1,0 +1,149 @@
+"""KVTransfer: the runner-side half of the offload tiers (the tensor work the manager cannot do).
+
+Per step, before the runner's block copies and forward (`apply`):
+  1. offloads: read the blocks the scheduler just evicted or swapped out (their ids may already
+     be handed to another request this step, so this runs before anything writes), pack each,
+     put it into the host tier now (a memcpy) and queue it for disk / Redis on the AsyncWriter
+     thread, so the decode path never waits on a disk or a network;
+  2. restores: write blocks fetched from the tiers into the pool.
+It also owns `decode`, which the TierChain runs on every lookup hit: a payload that does not
+unpack to exactly this cache's block layout is a miss (counted), so it can never reach the pool.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from kvserve.config import ConfigError, EngineArgs
+from kvserve.engine.scheduler_output import BlockOffload, BlockRestore, SchedulerOutput
+from kvserve.kv.tiers.base import EngineFingerprint
+from kvserve.kv.tiers.chain import TierChain
+from kvserve.kv.tiers.codec import pack_block, packed_size, unpack_block
+
+logger = logging.getLogger(__name__)
+
+_WRITTEN_MEMORY = 1 << 17  # keys known to be below already; bounds a set of 32-byte hashes
+
+
+class KVTransfer:
+    def __init__(self, kv_cache: Any, chain: TierChain) -> None:
+        self.kv_cache = kv_cache
+        self.chain = chain
+        try:
+            probe = kv_cache.read_blocks(torch.tensor([0]))
+        except NotImplementedError:
+            raise ConfigError(f"the KV offload tiers (--swap-space, --kv-disk-path, --kv-redis-url, "
+                              f"--preemption-mode swap) do not support this KV cache "
+                              f"({type(kv_cache).__name__}) yet; use --kv-cache-dtype auto or drop "
+                              f"the tier flags") from None
+        self._layout = [(tuple(t.shape[1:]), t.dtype) for t in probe]
+        chain.decode = self.decode
+        chain.entry_bytes = packed_size([t[0] for t in probe])
+        self._written: OrderedDict[bytes, None] = OrderedDict()
+
+    def decode(self, payload: memoryview) -> list[torch.Tensor]:
+        tensors = unpack_block(payload)
+        got = [(tuple(t.shape), t.dtype) for t in tensors]
+        if got != self._layout:
+            raise ValueError(f"block layout {got} != this cache's {self._layout}")
+        return tensors
+
+    @torch.inference_mode()
+    def apply(self, out: SchedulerOutput) -> None:
+        if out.kv_offloads:
+            self._offload(out.kv_offloads)
+        if out.kv_restores:
+            self._restore(out.kv_restores)
+
+    def _stored_below(self, key: bytes) -> bool:
+        host = self.chain.host
+        if host is not None and not host.contains(key):
+            return False
+        return not self.chain.lower or key in self._written
+
+    def _offload(self, offloads: list[BlockOffload]) -> None:
+        start = time.perf_counter()
+        chain, host, writer = self.chain, self.chain.host, self.chain.writer
+        todo = [o for o in offloads if o.held or not self._stored_below(o.key)]
+        chain.stats.offload_skipped += len(offloads) - len(todo)
+        if todo:
+            data = self.kv_cache.read_blocks(torch.tensor([o.block_id for o in todo]))
+            for j, o in enumerate(todo):
+                payload = pack_block([t[j] for t in data])
+                if o.held:
+                    host.put_held(o.key, payload)  # a failure here costs the resume a recompute
+                    continue
+                if host is not None:
+                    host.put(o.key, payload)
+                if writer is not None and writer.submit(o.key, payload):
+                    self._remember(o.key)
+                chain.stats.offloaded_blocks += 1
+        chain.settle_held()
+        chain.stats.offload_seconds += time.perf_counter() - start
+
+    def _restore(self, restores: list[BlockRestore]) -> None:
+        start = time.perf_counter()
+        ids = torch.tensor([r.block_id for r in restores])
+        fields = [torch.stack([r.data[i] for r in restores]) for i in range(len(self._layout))]
+        self.kv_cache.write_blocks(ids, fields)
+        self.chain.stats.restore_seconds += time.perf_counter() - start
+
+    def _remember(self, key: bytes) -> None:
+        self._written[key] = None
+        self._written.move_to_end(key)
+        if len(self._written) > _WRITTEN_MEMORY:
+            self._written.popitem(last=False)
+
+
+def engine_fingerprint(args: EngineArgs, model_config: Any, weights: dict[str, torch.Tensor],
+                       dtype: torch.dtype, kv_cache: Any) -> EngineFingerprint:
+    """Model identity = name, architecture and a digest over the head of every weight tensor
+    (cheap, and two checkpoints that differ anywhere near the start of any tensor differ here)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(weights):
+        t = weights[name]
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.detach().reshape(-1)[:256].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else str(dtype).removeprefix("torch.")
+    return EngineFingerprint.from_model_config(
+        model_config, model_id=f"{model_config.architecture}:{model_config.name}:{h.hexdigest()}",
+        kv_cache_dtype=kv_dtype, block_size=args.block_size, extra=type(kv_cache).__name__)
+
+
+def build_kv_tiers(args: EngineArgs, fingerprint: EngineFingerprint, kv_cache: Any
+                   ) -> tuple[TierChain, KVTransfer] | None:
+    """The tiers the flags ask for (None when none), opened and checked now: a bad path or an
+    unreachable directory is a start-up error; an unreachable Redis is logged and retried."""
+    if not args.has_kv_tiers:
+        return None
+    from kvserve.kv.tiers.disk import DiskTier
+    from kvserve.kv.tiers.host import HostTier
+    from kvserve.kv.tiers.writer import AsyncWriter
+
+    host = HostTier.from_gib(fingerprint, args.host_tier_gib) if args.host_tier_gib > 0 else None
+    lower = []
+    try:
+        if args.kv_disk_path is not None:
+            lower.append(DiskTier(fingerprint, args.kv_disk_path, args.resolved_kv_disk_size))
+        if args.kv_redis_url is not None:
+            try:
+                from kvserve.kv.tiers.redis_tier import RedisTier
+            except ModuleNotFoundError as e:
+                raise ConfigError(f"--kv-redis-url needs the redis client ({e}); pip install redis") from None
+            lower.append(RedisTier(fingerprint, args.kv_redis_url))
+    except BaseException:
+        for t in lower:
+            t.close()
+        raise
+    writer = AsyncWriter(lower) if lower else None
+    chain = TierChain(host, lower, writer)
+    transfer = KVTransfer(kv_cache, chain)
+    logger.info("KV offload tiers: %s (fingerprint %s)", ", ".join(
+        f"{t.name} {t.usage().capacity_bytes / 2**30:.1f} GiB" if t.usage().capacity_bytes else t.name
+        for t in chain.tiers), fingerprint.hex[:12])
+    return chain, transfer
