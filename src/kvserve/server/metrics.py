@@ -110,6 +110,22 @@ class ServerMetrics:
         self.resume_hits = counter("kvserve:resume_prefix_cache_hits",
                                    "Tokens found in the cache when preempted requests resume.")
         self.step_errors = counter("kvserve:engine_step_errors", "Engine steps that raised (requests failed).")
+        # --- offload tiers (host / disk / redis; series appear once a tier is configured) ---
+        T = L + ["tier"]
+        self.tier_usage = gauge("kvserve:kv_tier_usage_perc", "Fraction (0..1) of an offload tier's capacity in use.", T)
+        self.tier_used_bytes = gauge("kvserve:kv_tier_used_bytes", "Bytes stored in an offload tier.", T)
+        self.tier_lookups = counter("kvserve:kv_tier_lookups", "Block lookups in an offload tier by result (hit | miss).",
+                                    T + ["result"])
+        self.tier_faults = counter("kvserve:kv_tier_faults", "Entries refused or backend failures by kind "
+                                   "(corrupt | incompatible | error); each is a miss, never served.", T + ["kind"])
+        self.tier_bytes = counter("kvserve:kv_tier_bytes", "Bytes moved to (written) and from (read) an offload tier.",
+                                  T + ["direction"])
+        self.restored_blocks = counter("kvserve:kv_restored_blocks", "Blocks restored into the device pool from offload tiers.")
+        self.restore_seconds = counter("kvserve:kv_restore_seconds", "Time spent looking up and restoring tier blocks "
+                                       "(divide by kv_restored_blocks for the mean per block).")
+        self.offloaded_blocks = counter("kvserve:kv_offloaded_blocks", "Evicted device blocks copied down to the tiers.")
+        self.offload_dropped = counter("kvserve:kv_offload_dropped_blocks", "Evicted blocks dropped: the tier writer queue was full.")
+        self.swapped_preemptions = counter("kvserve:num_swapped_preemptions", "Preemptions whose KV went to the host tier.")
         if engine_args is not None:
             info = Info("kvserve:cache_config", "KV cache configuration.", L, registry=r)
             info.labels(model_name).info({
@@ -161,6 +177,28 @@ class ServerMetrics:
         self._advance("gt", self.generation_tokens.labels(m), s.generation_tokens_total)
         for tier, hits in s.tier_hits.items():
             self._advance("tier:" + tier, self.tier_hits.labels(m, tier), hits)
+        self._observe_tiers(s)
+
+    def _observe_tiers(self, s) -> None:
+        m = self.model_name
+        for tier, frac in getattr(s, "tier_usage", {}).items():
+            self.tier_usage.labels(m, tier).set(frac)
+            self.tier_used_bytes.labels(m, tier).set(s.tier_used_bytes.get(tier, 0))
+        for result, values in (("hit", getattr(s, "tier_lookup_hits", {})), ("miss", getattr(s, "tier_misses", {}))):
+            for tier, v in values.items():
+                self._advance(f"tl:{tier}:{result}", self.tier_lookups.labels(m, tier, result), v)
+        for kind, values in (("corrupt", getattr(s, "tier_corrupt", {})), ("incompatible", getattr(s, "tier_incompatible", {})),
+                             ("error", getattr(s, "tier_errors", {}))):
+            for tier, v in values.items():
+                self._advance(f"tf:{tier}:{kind}", self.tier_faults.labels(m, tier, kind), v)
+        for direction, values in (("read", getattr(s, "tier_bytes_read", {})), ("written", getattr(s, "tier_bytes_written", {}))):
+            for tier, v in values.items():
+                self._advance(f"tb:{tier}:{direction}", self.tier_bytes.labels(m, tier, direction), v)
+        self._advance("krb", self.restored_blocks.labels(m), getattr(s, "kv_restored_blocks", 0))
+        self._advance("krs", self.restore_seconds.labels(m), getattr(s, "kv_restore_seconds", 0.0))
+        self._advance("kob", self.offloaded_blocks.labels(m), getattr(s, "kv_offloaded_blocks", 0))
+        self._advance("kod", self.offload_dropped.labels(m), getattr(s, "kv_offload_dropped_blocks", 0))
+        self._advance("nsp", self.swapped_preemptions.labels(m), getattr(s, "num_swapped_preemptions", 0))
 
     def observe_output(self, out, now: float) -> None:
         m, t = self.model_name, out.metrics
