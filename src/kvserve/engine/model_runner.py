@@ -14,6 +14,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvserve.model.attention.base import AttentionMetadata, build_attention_metadata
+from kvserve.model.attention.triton_backend import select_attention_backend
 from kvserve.model.kv_cache import create_kv_cache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.sampler import Sampler, SamplingRow
@@ -23,7 +24,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype, device: torch.device | str, block_size: int, num_blocks: int,
                  kv_cache_dtype: str = "auto", seed: int = 0,
-                 kv_cache_options: dict | None = None) -> None:
+                 kv_cache_options: dict | None = None, attention_backend: str = "auto") -> None:
         """`kv_cache_options` pass through to the cache class (quantized caches:
         num_residual_blocks, kv_scales, ...); see kvserve.model.kv_cache_quant."""
         self.model_config = model_config
@@ -31,7 +32,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = LlamaModel(model_config, weights, dtype, self.device)
+        self.model = LlamaModel(model_config, weights, dtype, self.device, attention_backend=select_attention_backend(
+            attention_backend, model_config, self.device, kv_cache_dtype))
         self.kv_cache = create_kv_cache(model_config, num_blocks=num_blocks, block_size=block_size,
                                         kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=self.device,
                                         **(kv_cache_options or {}))
