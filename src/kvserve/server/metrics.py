@@ -157,10 +157,12 @@ class ServerMetrics:
         self.kv_cache_usage.labels(m).set(s.kv_usage)
         self.cpu_cache_usage.labels(m).set(s.host_tier_usage)
         self.host_usage.labels(m).set(s.host_tier_usage)
-        device_hits = s.tier_hits.get("device", s.prefix_cache_hits) if s.tier_hits else s.prefix_cache_hits
-        queries = max(s.prefix_cache_queries, 1)
-        self.gpu_hit_rate.labels(m).set(device_hits / queries if s.prefix_cache_queries else 0.0)
-        self.cpu_hit_rate.labels(m).set(s.tier_hits.get("host", 0) / queries if s.prefix_cache_queries else 0.0)
+        # tier_hits counts resumes after preemption too, so the denominator does as well (vLLM V0's
+        # allocator-level hit rate counted every lookup the same way).
+        lookups = s.prefix_cache_queries + s.resume_prefix_cache_queries
+        device_hits = s.tier_hits.get("device", s.prefix_cache_hits + s.resume_prefix_cache_hits)
+        self.gpu_hit_rate.labels(m).set(min(1.0, device_hits / lookups) if lookups else 0.0)
+        self.cpu_hit_rate.labels(m).set(min(1.0, s.tier_hits.get("host", 0) / lookups) if lookups else 0.0)
         self.blocks_total.labels(m).set(s.num_blocks_total)
         self.blocks_free.labels(m).set(s.num_blocks_free)
         self.blocks_used.labels(m).set(s.num_blocks_used)
