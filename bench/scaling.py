@@ -1,0 +1,189 @@
+"""kvserve alone: decode throughput vs batch size and vs context length, beside the roofline.
+
+    python bench/compare.py --scaling                          # same as: python bench/scaling.py
+    python bench/scaling.py --batch-sizes 1,8,64 --contexts 256,2048 --decode-tokens 16
+
+Decode rate is isolated from prefill by difference: the same prompts run once with max_tokens=1
+(prefill + first token) and once with 1+D tokens, prefix caching off, so
+decode tok/s = batch * D / (t(1+D) - t(1)).
+Roofline, per decode step (all weights read once, the tied embedding once as lm_head, plus every
+sequence's K/V so far), with bandwidth and matmul rate measured in this same process:
+  memory bound  = batch * BW / (weight_bytes + batch * avg_context * kv_bytes_per_token)
+  compute bound = batch * FLOPS / (2 * params + attention flops per token)
+Writes bench/results/scaling.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.config import ModelConfig  # noqa: E402
+from kvserve.model.gguf import config_from_gguf, read_gguf  # noqa: E402
+from kvserve.model.loader import embedded_model_path, resolve_dtype  # noqa: E402
+
+
+@dataclass
+class MachineRates:
+    copy_bandwidth_gb_s: float   # (read + write) bytes / s of a large tensor copy
+    matmul_tflop_s: float        # square matmul in the compute dtype
+
+
+@dataclass
+class ScalingPoint:
+    sweep: str                   # "batch" | "context"
+    batch: int
+    prompt_len: int
+    decode_tokens: int
+    prefill_seconds: float       # t(max_tokens=1)
+    total_seconds: float         # t(max_tokens=1+D)
+    decode_tok_per_s: float
+    end_to_end_out_tok_per_s: float
+    roofline_memory_tok_per_s: float
+    roofline_compute_tok_per_s: float
+    fraction_of_roofline: float  # decode / min(memory, compute)
+
+
+def measure_bandwidth(mib: int = 512, tries: int = 5) -> float:
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def measure_matmul(dtype: torch.dtype, n: int = 2048, tries: int = 3) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e12
+
+
+def weight_params(c: ModelConfig) -> int:
+    """Parameters read per decode step: the (tied) vocab matrix once, every layer, the final norm."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size \
+        + 2 * c.hidden_size + ((q + 2 * kv) if c.attention_bias else 0)
+    vocab = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return vocab + c.num_hidden_layers * layer + c.hidden_size
+
+
+def roofline(c: ModelConfig, rates: MachineRates, elem_bytes: int, batch: int, avg_ctx: float) -> tuple[float, float]:
+    params = weight_params(c)
+    step_bytes = params * elem_bytes + batch * avg_ctx * c.kv_bytes_per_token(elem_bytes)
+    memory = batch * rates.copy_bandwidth_gb_s * 1e9 / step_bytes
+    attn_flops = 4 * avg_ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    compute = rates.matmul_tflop_s * 1e12 / (2 * params + attn_flops)
+    return memory, compute
+
+
+def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def measure_point(llm, c, rates, elem_bytes, sweep, batch, prompt_len, decode, rng) -> ScalingPoint:
+    prompts = [[rng.randrange(c.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+    t1 = timed(llm, prompts, 1)
+    tn = timed(llm, prompts, 1 + decode)
+    decode_rate = batch * decode / max(tn - t1, 1e-9)
+    mem, comp = roofline(c, rates, elem_bytes, batch, prompt_len + 1 + decode / 2)
+    return ScalingPoint(sweep, batch, prompt_len, decode, t1, tn, decode_rate, batch * (1 + decode) / tn,
+                        mem, comp, decode_rate / min(mem, comp))
+
+
+def ints(value: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
+    return out
+
+
+def print_points(points: list[ScalingPoint]) -> None:
+    print(f"\n{'sweep':<8} {'batch':>5} {'prompt':>6} {'prefill s':>9} {'decode tok/s':>12} {'e2e out tok/s':>13} "
+          f"{'roofline mem':>12} {'roofline flop':>13} {'of roofline':>11}")
+    for p in points:
+        print(f"{p.sweep:<8} {p.batch:>5} {p.prompt_len:>6} {p.prefill_seconds:>9.2f} {p.decode_tok_per_s:>12.1f} "
+              f"{p.end_to_end_out_tok_per_s:>13.1f} {p.roofline_memory_tok_per_s:>12.1f} "
+              f"{p.roofline_compute_tok_per_s:>13.1f} {p.fraction_of_roofline:>10.0%}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", type=ints, default=ints("1,8,32,64,128,256"))
+    ap.add_argument("--batch-prompt-len", type=int, default=128, help="prompt length for the batch sweep")
+    ap.add_argument("--contexts", type=ints, default=ints("256,512,1024,2048,4096,8192"),
+                    help="total context (prompt + decoded) at the end of each context-sweep request, batch 1")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--kv-cache-memory", default="4GiB")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scaling.json")
+    args = ap.parse_args(argv)
+    if args.decode_tokens < 1:
+        ap.error("--decode-tokens must be >= 1")
+    short = [ctx for ctx in args.contexts if ctx <= args.decode_tokens + 1]
+    if short:
+        ap.error(f"--contexts {short} leave no room for a prompt before {args.decode_tokens} decoded tokens; "
+                 f"use contexts above {args.decode_tokens + 1} or fewer --decode-tokens")
+
+    dtype = resolve_dtype(args.dtype, "cpu")
+    elem = torch.tensor([], dtype=dtype).element_size()
+    c = config_from_gguf(read_gguf(embedded_model_path()))
+    if max(args.contexts) > c.max_position_embeddings:
+        ap.error(f"--contexts go up to {max(args.contexts)} but the model's limit is {c.max_position_embeddings}")
+    rates = MachineRates(measure_bandwidth(), measure_matmul(dtype))
+    print(f"measured: copy bandwidth {rates.copy_bandwidth_gb_s:.1f} GB/s, {dtype} matmul "
+          f"{rates.matmul_tflop_s:.2f} TFLOP/s; weights {weight_params(c) * elem / 1e6:.0f} MB, "
+          f"KV {c.kv_bytes_per_token(elem):.0f} B/token", flush=True)
+    rng = random.Random(args.seed)
+    name = str(dtype).replace("torch.", "")
+    points: list[ScalingPoint] = []
+    common = dict(dtype=name, enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(None, max_model_len=args.batch_prompt_len + 1 + args.decode_tokens,
+              max_num_seqs=max(args.batch_sizes), **common)
+    timed(llm, [[1] * 16], 2)  # warm-up
+    for b in args.batch_sizes:
+        points.append(measure_point(llm, c, rates, elem, "batch", b, args.batch_prompt_len, args.decode_tokens, rng))
+        print_points(points[-1:])
+    del llm
+    llm = LLM(None, max_model_len=max(args.contexts), max_num_seqs=1, **common)
+    timed(llm, [[1] * 16], 2)
+    for ctx in args.contexts:
+        points.append(measure_point(llm, c, rates, elem, "context", 1, ctx - 1 - args.decode_tokens,
+                                    args.decode_tokens, rng))
+        print_points(points[-1:])
+    print_points(points)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "dtype": name,
+                                     "rates": asdict(rates), "weight_params": weight_params(c),
+                                     "points": [asdict(p) for p in points]}, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
