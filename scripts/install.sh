@@ -14,6 +14,9 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 if [ "${1:-}" = "--test" ]; then
   $PIP install -e ".[test]"
+  # Triton's interpreter runs the CUDA attention kernels' correctness tests on CPU. CUDA builds of
+  # torch bring their own triton; never let pip touch torch here.
+  python -c "import triton" 2>/dev/null || $PIP install --no-deps triton
   bash .ci/install_redis.sh
 else
   $PIP install -e .

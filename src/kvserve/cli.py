@@ -33,7 +33,7 @@ _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_poli
 _HELP = {
     "model": "HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory when it differs from the model's",
-    "dtype": "compute dtype of weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
+    "dtype": "compute dtype of weights and activations (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32)",
     "device": "where the model runs",
     "seed": "engine-wide random seed (per-request `seed` overrides it)",
     "attention_backend": "attention kernels: torch (portable) or triton (CUDA)",
