@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -69,6 +70,8 @@ class LLMEngine:
                 raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
                                   "build_engine_parts, or set EngineSetup.fingerprint")
             self.kv_tiers, self.kv_transfer = build_kv_tiers(args, setup.fingerprint, self.runner.kv_cache)
+            # An engine dropped without close() still drains its writer and unlocks its directory.
+            self._close_tiers = weakref.finalize(self, self.kv_tiers.close)
         self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
                                  args.kv_cache_dtype, tiers=self.kv_tiers)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -180,8 +183,7 @@ class LLMEngine:
     def close(self) -> None:
         """Write queued blocks down and release the tiers (the disk tier's directory lock)."""
         if self.kv_tiers is not None:
-            self.kv_tiers.close()
-            self.kv_tiers = None
+            self._close_tiers()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
