@@ -313,3 +313,12 @@ def test_quantized_cache_factory_and_prefix_hash_separation():
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert not hashes[a] & hashes[b], (a, b)
+
+
+def test_fp8_alias_shares_prefix_cache_keys():
+    from kvserve.config import EngineArgs
+    a, b = EngineArgs(kv_cache_dtype="fp8"), EngineArgs(kv_cache_dtype="fp8_e4m3")
+    a.validate()
+    b.validate()
+    from kvserve.kv.hashing import root_hash
+    assert root_hash(a.kv_cache_dtype) == root_hash(b.kv_cache_dtype) != root_hash("fp8_e5m2")

@@ -66,7 +66,11 @@ def test_fp8_halves_a_16_bit_cache(name):
         p = plan_kv(cfg, 8 * GIB, 16, fp8, "bfloat16", 4096)
         # Half the bytes, plus one float32 scale per block for K and one for V in every layer.
         assert p.bytes_per_block == bf16.bytes_per_block // 2 + cfg.num_hidden_layers * 2 * 4
-        assert 1.99 < p.num_tokens / bf16.num_tokens <= 2.0
+        # The pool doubles, less the full-precision residual block kept open per running sequence.
+        one = plan_kv(cfg, 8 * GIB, 16, fp8, "bfloat16", 4096, max_num_seqs=1)
+        assert 1.99 < one.num_tokens / bf16.num_tokens <= 2.0
+        residual = 256 * bf16.bytes_per_block
+        assert p.num_blocks == (8 * GIB - residual - 256 * 16 * cfg.num_hidden_layers) // p.bytes_per_block
 
 
 def test_smollm2_quantized_figures_by_hand():
@@ -98,12 +102,10 @@ def test_bytes_per_block_equal_the_engine_cache_allocation(kv_cache_dtype, block
 def _engine_budget(cfg, kv_cache_memory, block_size, kv_cache_dtype, max_model_len):
     import torch
     from kvserve.config import EngineArgs
-    from kvserve.engine.setup import size_kv_pool
-    from kvserve.model.kv_cache import kv_cache_bytes_per_block
+    from kvserve.engine.setup import kv_budget_for
     args = EngineArgs(kv_cache_memory=kv_cache_memory, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                       max_model_len=max_model_len)
-    bpb = kv_cache_bytes_per_block(cfg, block_size, kv_cache_dtype, torch.bfloat16)
-    return size_kv_pool(args, cfg, bpb, torch.device("cpu"))
+    return kv_budget_for(args, cfg, torch.bfloat16, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8", "int4"])
@@ -112,8 +114,12 @@ def _engine_budget(cfg, kv_cache_memory, block_size, kv_cache_dtype, max_model_l
 def test_plan_agrees_with_engine_startup(name, block_size, kv_cache_dtype):
     cfg = PRESETS[name][0]
     mem, max_len = 3 * GIB + 12345, 4096
-    engine = _engine_budget(cfg, mem, block_size, kv_cache_dtype, max_len)
     plan = plan_kv(cfg, mem, block_size, kv_cache_dtype, "bfloat16", max_len)
+    if plan.num_blocks == 0:  # the residual pool alone exceeds the budget: the engine refuses
+        with pytest.raises(ConfigError, match="residual pool.*lower --max-num-seqs"):
+            _engine_budget(cfg, mem, block_size, kv_cache_dtype, max_len)
+        return
+    engine = _engine_budget(cfg, mem, block_size, kv_cache_dtype, max_len)
     assert (plan.bytes_per_block, plan.num_blocks, plan.num_tokens, plan.max_model_len) == \
         (engine.bytes_per_block, engine.num_blocks, engine.num_tokens, engine.max_model_len)
     assert plan.max_concurrency == pytest.approx(engine.max_concurrency)

@@ -80,6 +80,9 @@ class EngineArgs:
             raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})")
+        if self.kv_cache_dtype == "fp8":
+            # vLLM's alias: one spelling, so block hashes and tier keys of the same format agree.
+            self.kv_cache_dtype = "fp8_e4m3"
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)} (got {self.scheduling_policy!r})")
         if self.preemption_mode not in PREEMPTION_MODES:

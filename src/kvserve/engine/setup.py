@@ -56,8 +56,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: int,
-                 device: torch.device, gpu_budget_bytes: int | None = None) -> KVBudget:
-    """How many blocks the budget buys, and a clear error if max_model_len cannot fit."""
+                 device: torch.device, gpu_budget_bytes: int | None = None,
+                 reserved_bytes: int = 0) -> KVBudget:
+    """How many blocks the budget buys, and a clear error if max_model_len cannot fit.
+    `reserved_bytes` (a quantized cache's residual pool) comes out of the budget first."""
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
@@ -72,11 +74,15 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
         else:
             memory = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
             budget_flag = "--kv-cache-memory"
-        num_blocks = memory // bytes_per_block
+        num_blocks = max(0, memory - reserved_bytes) // bytes_per_block
         if num_blocks < 1:
+            residual = (f" after the quantized cache's full-precision residual pool ({reserved_bytes} "
+                        f"bytes: one open block per sequence of --max-num-seqs {args.max_num_seqs})"
+                        if reserved_bytes else "")
             raise ConfigError(
                 f"No memory left for the KV cache: one block takes {bytes_per_block} bytes but the "
-                f"budget is {memory} bytes; raise {budget_flag}")
+                f"budget is {memory} bytes{residual}; raise {budget_flag}"
+                f"{' or lower --max-num-seqs' if reserved_bytes else ''}")
     fits = num_blocks * args.block_size
     if max_model_len > fits:
         raise ConfigError(
@@ -87,9 +93,18 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
     return KVBudget(num_blocks, bytes_per_block, memory, max_model_len, args.block_size)
 
 
+def kv_budget_for(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  gpu_budget_bytes: int | None = None) -> KVBudget:
+    """The pool the engine builds for these settings (`kvserve plan` reproduces this arithmetic)."""
+    from kvserve.model.kv_cache import kv_cache_bytes_per_block, kv_cache_reserved_bytes
+
+    bpb = kv_cache_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype, dtype)
+    reserved = kv_cache_reserved_bytes(cfg, args.block_size, args.kv_cache_dtype, dtype, args.max_num_seqs)
+    return size_kv_pool(args, cfg, bpb, device, gpu_budget_bytes, reserved)
+
+
 def build_engine_parts(args: EngineArgs) -> EngineSetup:
     from kvserve.engine.model_runner import ModelRunner
-    from kvserve.model.kv_cache import kv_cache_bytes_per_block
     from kvserve.model.loader import load_model, resolve_dtype
 
     device = resolve_device(args.device)
@@ -100,13 +115,14 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
         from kvserve.model.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     cfg = loaded.config
-    bpb = kv_cache_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype, dtype)
     gpu_budget = None
     if device.type == "cuda" and args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
         gpu_budget = _cuda_kv_budget(args, loaded.weights)
-    budget = size_kv_pool(args, cfg, bpb, device, gpu_budget)
+    budget = kv_budget_for(args, cfg, dtype, device, gpu_budget)
+    bpb = budget.bytes_per_block
     runner = ModelRunner(cfg, loaded.weights, dtype=dtype, device=device, block_size=args.block_size,
                          num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+                         kv_cache_options=_kv_cache_options(args, cfg, loaded.weights),
                          attention_backend=args.attention_backend)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
                 "maximum concurrency for %d tokens per request: %.2fx",
@@ -118,6 +134,19 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
         from kvserve.engine.kv_transfer import engine_fingerprint
         fingerprint = engine_fingerprint(args, cfg, loaded.weights, dtype, runner.kv_cache)
     return EngineSetup(cfg, loaded.tokenizer, runner, budget, fingerprint)
+
+
+def _kv_cache_options(args: EngineArgs, cfg: ModelConfig, weights: dict) -> dict:
+    """Quantized caches: one residual (open) block per running sequence, and the checkpoint's
+    static fp8 scales (vLLM's `self_attn.k_scale` / `v_scale`) when it ships them."""
+    if args.kv_cache_dtype == "auto":
+        return {}
+    options: dict = {"num_residual_blocks": args.max_num_seqs}
+    if args.kv_cache_dtype.startswith("fp8") and any(k.endswith(("k_scale", "v_scale", "kv_scale")) for k in weights):
+        from kvserve.kv.quant import KVScales
+        options["kv_scales"] = KVScales.from_weights(weights, cfg.num_hidden_layers)
+        logger.info("fp8 KV cache: using the checkpoint's static k/v scales")
+    return options
 
 
 def _cuda_kv_budget(args: EngineArgs, weights: dict) -> int:

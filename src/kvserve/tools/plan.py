@@ -61,6 +61,17 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, m
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} with --block-size {block_size}: {e}") from None
 
 
+def kv_reserved_bytes(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, model_dtype="bfloat16",
+                      tensor_parallel_size: int = 1, max_num_seqs: int = 256) -> int:
+    """Bytes a quantized cache keeps in full precision besides its blocks (the engine's own rule)."""
+    import torch
+    from kvserve.model.kv_cache import kv_cache_reserved_bytes
+
+    rank_cfg = replace(cfg, num_key_value_heads=kv_heads_per_gpu(cfg, tensor_parallel_size))
+    return kv_cache_reserved_bytes(rank_cfg, block_size, kv_cache_dtype,
+                                   getattr(torch, normalize_dtype(model_dtype)), max_num_seqs)
+
+
 def kv_heads_per_gpu(cfg: ModelConfig, tensor_parallel_size: int) -> int:
     """KV heads each rank stores; ranks beyond the KV head count hold a replica (as vLLM does)."""
     tp, kv = tensor_parallel_size, cfg.num_key_value_heads
@@ -100,7 +111,7 @@ class KVPlan:
 
 def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv_cache_dtype: str = "auto",
             model_dtype="bfloat16", max_model_len: int | None = None, *, tensor_parallel_size: int = 1,
-            mean_context_len: int | None = None) -> KVPlan:
+            mean_context_len: int | None = None, max_num_seqs: int = 256) -> KVPlan:
     """The engine's startup arithmetic: bytes per token/block, blocks and tokens that fit, concurrency."""
     cfg = model_config
     if kv_cache_memory < 0:
@@ -111,7 +122,8 @@ def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv
     kv_heads = kv_heads_per_gpu(cfg, tensor_parallel_size)
     dtype = normalize_dtype(model_dtype)
     bytes_per_block = kv_bytes_per_block(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size)
-    num_blocks = kv_cache_memory // bytes_per_block
+    reserved = kv_reserved_bytes(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size, max_num_seqs)
+    num_blocks = max(0, kv_cache_memory - reserved) // bytes_per_block
     blocks_per_request = -(-max_model_len // block_size)
     at_mean = None
     if mean_context_len is not None:
@@ -268,12 +280,14 @@ def build_plan_report(args: argparse.Namespace) -> PlanReport:
     dtype = normalize_dtype(spec.dtype if args.dtype == "auto" else args.dtype)
     budget = memory_budget(args, spec)
     plan = plan_kv(cfg, budget.kv_cache_memory, args.block_size, args.kv_cache_dtype, dtype, args.max_model_len,
-                   tensor_parallel_size=args.tensor_parallel_size, mean_context_len=args.mean_context_len)
+                   tensor_parallel_size=args.tensor_parallel_size, mean_context_len=args.mean_context_len,
+                   max_num_seqs=args.max_num_seqs)
     lens = sorted({n for n in TABLE_MODEL_LENS if n <= cfg.max_position_embeddings} | {plan.max_model_len})
     table = []
     for kv_dtype in TABLE_KV_DTYPES:
         row = [plan_kv(cfg, budget.kv_cache_memory, args.block_size, kv_dtype, dtype, n,
-                       tensor_parallel_size=args.tensor_parallel_size) for n in lens]
+                       tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs)
+               for n in lens]
         table.append(TableRow(kv_dtype, row[0].bytes_per_token, row[0].num_blocks, row[0].num_tokens,
                               [{"max_model_len": p.max_model_len, "max_concurrency": p.max_concurrency} for p in row]))
     report = PlanReport(model=cfg.name, source=spec.source, architecture=cfg.architecture,
