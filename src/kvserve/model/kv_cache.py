@@ -121,6 +121,11 @@ class PagedKVCache(KVCache):
         self._slots[layer, 0].index_copy_(0, slot_mapping, k.to(self.dtype))
         self._slots[layer, 1].index_copy_(0, slot_mapping, v.to(self.dtype))
 
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, `[num_blocks, block_size, num_kv_heads, head_dim]` each, contiguous
+        (kernels that read blocks in place)."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (block_ids.numel() * self.block_size, self.num_kv_heads, self.head_dim)
         k = self.kv[layer, 0].index_select(0, block_ids).view(shape)

@@ -4,6 +4,10 @@ Prefill chunks are attended one sequence at a time over that sequence's gathered
 causal mask offset by the chunk's start position. All decodes of a step share ONE SDPA call over
 their gathered block tables (padded to the longest), with a per-row length mask.
 
+On CPU, decodes over the full-precision cache go through a compiled kernel (cpu_kernel.py) that
+reads each sequence's blocks in place instead of gathering a padded copy; SDPA is the fallback
+(no compiler, quantized caches, other devices or dtypes).
+
 A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` only when
 `0 <= qp - kp < window`; blocks wholly left of every query's window are not gathered at all.
 """
@@ -16,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
-from kvserve.model.kv_cache import KVCache
+from kvserve.model.attention.cpu_kernel import decode_kernel_for
+from kvserve.model.kv_cache import KVCache, PagedKVCache
 
 
 @dataclass
@@ -35,26 +40,61 @@ class _DecodePlan:
     mask: torch.Tensor  # [Nd, 1, 1, keys_per_row] bool
 
 
+@dataclass
+class _KernelDecodePlan:
+    token_ids: torch.Tensor  # [Nd] long, contiguous: token rows of the decodes
+    block_tables: torch.Tensor  # [Nd, max_blocks] long, contiguous
+    seq_lens: torch.Tensor  # [Nd] long, contiguous
+
+
 class TorchAttentionBackend(AttentionBackend):
+
+    def __init__(self, *args, use_cpu_kernel: bool = True, **kwargs) -> None:
+        """`use_cpu_kernel=False` keeps every decode on the SDPA path (reference for tests)."""
+        super().__init__(*args, **kwargs)
+        self.use_cpu_kernel = use_cpu_kernel
+        self._kernels: dict[tuple[torch.dtype, torch.device], object] = {}
+
+    def _decode_kernel(self, q: torch.Tensor, kv_cache: KVCache):
+        """The compiled decode kernel when it applies to this step's tensors, else None."""
+        if (not self.use_cpu_kernel or not isinstance(kv_cache, PagedKVCache)
+                or q.dtype != kv_cache.dtype or not q.is_contiguous()):
+            return None
+        key = (q.dtype, q.device)
+        if key not in self._kernels:
+            self._kernels[key] = decode_kernel_for(q.dtype, self.head_dim, q.device)
+        return self._kernels[key]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         kv_cache.write(layer, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        prefills, decode = self._plans(meta)
+        kernel = self._decode_kernel(q, kv_cache) if meta.num_decodes else None
+        prefills, decode = self._plans(meta, kernel is not None)
         for plan in prefills:
             out[plan.rows] = self._prefill(layer, plan, q, k, v, kv_cache)
-        if decode is not None:
+        if isinstance(decode, _KernelDecodePlan):
+            self._kernel_decode(kernel, layer, decode, q, out, kv_cache)
+        elif decode is not None:
             out[decode.token_ids] = self._decode(layer, decode, q, kv_cache)
         return out
 
     # -- per-step planning (same for every layer, so built once and cached in the metadata) --
 
-    def _plans(self, meta: AttentionMetadata) -> tuple[list[_PrefillPlan], _DecodePlan | None]:
-        key = "torch_backend"
+    def _plans(self, meta: AttentionMetadata, use_kernel: bool = False
+               ) -> tuple[list[_PrefillPlan], _DecodePlan | _KernelDecodePlan | None]:
+        key = ("torch_backend", use_kernel)
         if key not in meta.backend_state:
             prefills = [self._plan_prefill(meta, i) for i in meta.prefill_seq_ids]
-            decode = self._plan_decode(meta) if meta.num_decodes else None
+            if not meta.num_decodes:
+                decode = None
+            elif use_kernel:
+                decode = _KernelDecodePlan(
+                    meta.decode_token_ids.contiguous(),
+                    meta.block_tables[meta.decode_seq_ids].contiguous(),
+                    meta.seq_lens_tensor[meta.decode_seq_ids].contiguous())
+            else:
+                decode = self._plan_decode(meta)
             meta.backend_state[key] = (prefills, decode)
         return meta.backend_state[key]
 
@@ -126,6 +166,15 @@ class TorchAttentionBackend(AttentionBackend):
             is_causal=plan.mask is None, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads)
         return o[0].transpose(0, 1)  # [n, Hq, D]
+
+    def _kernel_decode(self, kernel, layer: int, plan: _KernelDecodePlan, q: torch.Tensor,
+                       out: torch.Tensor, kv_cache: PagedKVCache) -> None:
+        k_cache, v_cache = kv_cache.layer_blocks(layer)
+        kernel(q.data_ptr(), out.data_ptr(), plan.token_ids.data_ptr(), self.num_heads * self.head_dim,
+               k_cache.data_ptr(), v_cache.data_ptr(), plan.block_tables.data_ptr(),
+               plan.block_tables.shape[1], plan.seq_lens.data_ptr(), plan.token_ids.numel(),
+               self.num_heads, self.num_kv_heads, kv_cache.block_size, self.scale,
+               self.sliding_window or 0, self.head_dim)
 
     def _decode(self, layer: int, plan: _DecodePlan, q: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         nd = plan.token_ids.numel()
