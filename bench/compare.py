@@ -25,6 +25,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ PEERS_DIR = ROOT / "bench" / "peers"
 sys.path.insert(0, str(PEERS_DIR))
 sys.path.insert(0, str(ROOT / "src"))
 
-from protocol import Job, RunnerResult, Workload, parse_result, write_job  # noqa: E402
+from protocol import PROGRESS_MARKER, Job, RunnerResult, Workload, parse_result, write_job  # noqa: E402
 
 WORKLOADS = ("random", "shared", "shared-nocache", "single")
 PEERS = ("kvserve", "vllm", "llamacpp")
@@ -127,24 +128,38 @@ PLANNERS = {"kvserve": plan_kvserve, "vllm": plan_vllm, "llamacpp": plan_llamacp
 
 
 def run_peer(plan: PeerPlan, job: Job, log_dir: Path, timeout: int) -> RunnerResult:
+    """Run one runner; its output goes to the log, progress lines are echoed, the result parsed."""
     job.options = plan.options
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{plan.name}.log"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         job_path = f.name
     write_job(job, job_path)
+    lines: list[str] = []
     try:
-        proc = subprocess.run(plan.argv + [job_path], env=plan.env, capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        log.write_text(f"{e.stdout or ''}\n--- stderr ---\n{e.stderr or ''}")
-        raise PeerUnavailable(f"timed out after {timeout}s (raise --timeout); log: {log}") from None
+        with open(log, "w") as out:
+            out.write(f"$ {' '.join(plan.argv)} JOB\n")
+            proc = subprocess.Popen(plan.argv + [job_path], env=plan.env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            watchdog = threading.Timer(timeout, proc.kill)
+            watchdog.start()
+            try:
+                for line in proc.stdout:
+                    out.write(line)
+                    lines.append(line)
+                    if line.startswith(PROGRESS_MARKER + " "):
+                        print(f"[{plan.name}]   {line[len(PROGRESS_MARKER) + 1:].rstrip()}", flush=True)
+                proc.wait()
+            finally:
+                timed_out = not watchdog.is_alive() and proc.returncode is not None and proc.returncode < 0
+                watchdog.cancel()
     finally:
         os.unlink(job_path)
-    log.write_text(f"$ {' '.join(plan.argv)} JOB\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
-    result = parse_result(proc.stdout)
+    if timed_out:
+        raise PeerUnavailable(f"killed after --timeout {timeout}s (raise it); log: {log}")
+    result = parse_result("".join(lines))
     if proc.returncode != 0 or result is None:
-        tail = "\n    ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+        tail = "\n    ".join(line.rstrip() for line in lines[-6:])
         raise PeerUnavailable(f"runner exited {proc.returncode} without a result; log: {log}\n    {tail}")
     return result
 

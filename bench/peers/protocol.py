@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 RESULT_MARKER = "KVSERVE_BENCH_RESULT"
+PROGRESS_MARKER = "KVSERVE_BENCH_PROGRESS"  # lines compare.py echoes live while it logs the rest
 
 
 @dataclass
@@ -76,6 +77,10 @@ def emit(result: RunnerResult) -> None:
     print(f"{RESULT_MARKER} {json.dumps(asdict(result))}", flush=True)
 
 
+def progress(message: str) -> None:
+    print(f"{PROGRESS_MARKER} {message}", flush=True)
+
+
 def parse_result(stdout: str) -> RunnerResult | None:
     for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_MARKER + " "):
@@ -98,9 +103,11 @@ def timed_runs(generate: Callable[[Workload], Run], reset: Callable[[], None], w
                repeat: int) -> WorkloadResult:
     """`repeat` timed runs, each after a reset of the prefix cache so every run starts cold."""
     runs = []
-    for _ in range(repeat):
+    for i in range(repeat):
         reset()
         runs.append(generate(w))
+        r = runs[-1]
+        progress(f"{w.name} run {i + 1}/{repeat}: {r.seconds:.2f} s, {r.output_tokens / r.seconds:.1f} out tok/s")
     return WorkloadResult(w.name, w.prefix_caching, runs)
 
 
