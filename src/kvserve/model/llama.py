@@ -16,6 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
 from kvserve.model.kv_cache import KVCache
+from kvserve.model.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -65,15 +66,16 @@ class _Layer:
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, take) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
-        self.qkv_weight = torch.cat([take(a + f"{p}_proj.weight") for p in "qkv"])
+        qkv_weight = torch.cat([take(a + f"{p}_proj.weight") for p in "qkv"])
+        self.qkv_shape = tuple(qkv_weight.shape)
         biases = [w.get(a + f"{p}_proj.bias") for p in "qkv"]
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
             raise ValueError(f"{a}: q/k/v biases must be all present or all absent")
-        self.qkv_bias = torch.cat([take(a + f"{p}_proj.bias") for p in "qkv"]) if biases[0] is not None else None
-        self.o_weight = take(a + "o_proj.weight")
-        self.o_bias = take(a + "o_proj.bias") if a + "o_proj.bias" in w else None
-        self.gate_up_weight = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-        self.down_weight = take(m + "down_proj.weight")
+        qkv_bias = torch.cat([take(a + f"{p}_proj.bias") for p in "qkv"]) if biases[0] is not None else None
+        self.qkv_proj = Linear(qkv_weight, qkv_bias)
+        self.o_proj = Linear(take(a + "o_proj.weight"), take(a + "o_proj.bias") if a + "o_proj.bias" in w else None)
+        self.gate_up_proj = Linear(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+        self.down_proj = Linear(take(m + "down_proj.weight"))
         self.input_norm = take(prefix + "input_layernorm.weight")
         self.post_attn_norm = take(prefix + "post_attention_layernorm.weight")
 
@@ -101,14 +103,14 @@ class LlamaModel:
         self.embed_tokens = take("model.embed_tokens.weight")
         self.layers = [_Layer(weights, f"model.layers.{i}.", take) for i in range(c.num_hidden_layers)]
         for i, layer in enumerate(self.layers):
-            if layer.qkv_weight.shape != (expect_qkv, c.hidden_size):
-                raise ValueError(f"layer {i}: fused qkv weight is {tuple(layer.qkv_weight.shape)}, "
+            if layer.qkv_shape != (expect_qkv, c.hidden_size):
+                raise ValueError(f"layer {i}: fused qkv weight is {layer.qkv_shape}, "
                                  f"config implies ({expect_qkv}, {c.hidden_size}); check head_dim / heads")
         self.norm = take("model.norm.weight")
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed_tokens
+            self.lm_head = Linear(self.embed_tokens)
         else:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = Linear(take("lm_head.weight"))
         self.inv_freq = rope_inv_freq(c).to(self.device)
         self.attn = attention_backend or TorchAttentionBackend(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, scale=c.head_dim ** -0.5,
@@ -129,20 +131,20 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             residual = h
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv_proj(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rope(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
             k = apply_rope(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
             v = v.reshape(t, c.num_key_value_heads, c.head_dim)
             o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
-            h = residual + F.linear(o.reshape(t, self.q_size), layer.o_weight, layer.o_bias)
+            h = residual + layer.o_proj(o.reshape(t, self.q_size))
             residual = h
             x = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            h = residual + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
+            h = residual + layer.down_proj(F.silu(gate) * up)
         return rms_norm(h, self.norm, c.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] of the rows that sample -> float32 logits [N, vocab]."""
-        return F.linear(hidden_rows, self.lm_head).float()
+        return self.lm_head(hidden_rows).float()
