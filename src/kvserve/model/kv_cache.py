@@ -116,15 +116,19 @@ class PagedKVCache(KVCache):
         # [layers, 2, slots, H, D] view for slot-addressed writes and copies.
         self._slots = self.kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads,
                                    self.head_dim)
+        # Per-layer views made once: every layer of every step indexes them (saves 8 selects/layer).
+        self._layer_slots = [(self._slots[i, 0], self._slots[i, 1]) for i in range(self.num_layers)]
+        self._layer_blocks = [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.num_layers)]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._slots[layer, 0].index_copy_(0, slot_mapping, k.to(self.dtype))
-        self._slots[layer, 1].index_copy_(0, slot_mapping, v.to(self.dtype))
+        k_slots, v_slots = self._layer_slots[layer]
+        k_slots.index_copy_(0, slot_mapping, k.to(self.dtype))
+        v_slots.index_copy_(0, slot_mapping, v.to(self.dtype))
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, `[num_blocks, block_size, num_kv_heads, head_dim]` each, contiguous
         (kernels that read blocks in place)."""
-        return self.kv[layer, 0], self.kv[layer, 1]
+        return self._layer_blocks[layer]
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (block_ids.numel() * self.block_size, self.num_kv_heads, self.head_dim)

@@ -49,16 +49,20 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """HF's `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`: torch's fused rms_norm
+    normalises in float32 and rounds once, bit-identical to those five ops (checked for fp32,
+    bf16 and fp16 at hidden sizes 64..4096) in one kernel."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, 1, D/2]. Same as HF's x*cos + rotate_half(x)*sin."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos [T, 1, D] (cos repeated over both halves); sin_signed [T, 1, D] = (-sin, sin).
+    HF's x*cos + rotate_half(x)*sin with rotate_half(x) = (-x2, x1): the same products and sum
+    in the same dtype, so bit-identical, in four ops instead of ten."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    rotated.mul_(sin_signed)
+    return (x * cos).add_(rotated)
 
 
 class _Layer:
@@ -117,8 +121,10 @@ class LlamaModel:
             sliding_window=c.sliding_window)
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos [T, 1, D] and sin with the first half negated [T, 1, D], for `apply_rope`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 like HF
-        return freqs.cos().to(self.dtype)[:, None, :], freqs.sin().to(self.dtype)[:, None, :]
+        cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -128,20 +134,20 @@ class LlamaModel:
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         for i, layer in enumerate(self.layers):
-            residual = h
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv_proj(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
-            v = v.reshape(t, c.num_key_value_heads, c.head_dim)
+            # q and k are adjacent columns of qkv: one rotary pass over both heads sets.
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
+            v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
             o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
-            h = residual + layer.o_proj(o.reshape(t, self.q_size))
-            residual = h
+            h = h + layer.o_proj(o.reshape(t, self.q_size))  # a new tensor: the embedding stays intact
             x = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
-            h = residual + layer.down_proj(F.silu(gate) * up)
+            gate_up = layer.gate_up_proj(x)
+            gate, up = gate_up.chunk(2, dim=-1)
+            h.add_(layer.down_proj(F.silu(gate).mul_(up)))
         return rms_norm(h, self.norm, c.rms_norm_eps)
 
     @torch.inference_mode()

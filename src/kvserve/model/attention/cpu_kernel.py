@@ -76,14 +76,14 @@ static inline void prefetch_block(const T* p, int64_t elems) {
     for (int64_t off = 0; off < elems * (int64_t)sizeof(T); off += 64) __builtin_prefetch(c + off);
 }
 
-// q, out: rows q_rows[i] of [*, Hq, D] (row stride q_stride elements). k_cache, v_cache: one
+// q, out: rows q_rows[i] of [*, Hq, D] (row strides q_stride, out_stride elements; heads dense). k_cache, v_cache: one
 // layer's [num_blocks, bs, Hkv, D]. block_tables: [N, bt_stride]. seq_lens: [N]; the query sits
 // at position seq_lens[i] - 1. window > 0: keys older than window positions are invisible.
 // Work item = (sequence, group of K/V heads): all heads of a sequence together when there are
 // enough sequences to keep every thread busy (a block's tokens are then read contiguously),
 // one K/V head per item otherwise (batch 1 still spreads over the threads).
 template <typename T, int DH_FIXED>
-static void decode_attention(const T* q, T* out, const int64_t* q_rows, int64_t q_stride,
+static void decode_attention(const T* q, T* out, const int64_t* q_rows, int64_t q_stride, int64_t out_stride,
                              const T* k_cache, const T* v_cache, const int64_t* block_tables,
                              int64_t bt_stride, const int64_t* seq_lens, int n, int hq, int hkv,
                              int bs, float scale, int64_t window, int dh) {
@@ -167,18 +167,18 @@ static void decode_attention(const T* q, T* out, const int64_t* q_rows, int64_t 
                     }
                 }
             }
-            T* orow = out + q_rows[i] * q_stride + (int64_t)h0 * g * DH;
+            T* orow = out + q_rows[i] * out_stride + (int64_t)h0 * g * DH;
             for (int j = 0; j < hq_item * DH; ++j) from_f32(acc[j], &orow[j]);
         }
     }
 }
 
 #define ENTRY(NAME, T, DH) \
-extern "C" void NAME(const void* q, void* out, const int64_t* q_rows, int64_t q_stride, \
+extern "C" void NAME(const void* q, void* out, const int64_t* q_rows, int64_t q_stride, int64_t out_stride, \
                      const void* k, const void* v, const int64_t* bt, int64_t bt_stride, \
                      const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale, \
                      int64_t window, int dh) { \
-    decode_attention<T, DH>((const T*)q, (T*)out, q_rows, q_stride, (const T*)k, (const T*)v, bt, \
+    decode_attention<T, DH>((const T*)q, (T*)out, q_rows, q_stride, out_stride, (const T*)k, (const T*)v, bt, \
                             bt_stride, seq_lens, n, hq, hkv, bs, scale, window, dh); \
 }
 ENTRY(decode_f32_d64, float, 64)
@@ -192,7 +192,7 @@ ENTRY(decode_bf16_dany, uint16_t, 0)
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _HEAD_DIMS = (64, 128)  # unrolled instances; others up to _MAX_HEAD_DIM use the generic one
 _MAX_HEAD_DIM = 256
-_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int64,
              ctypes.c_int]

@@ -58,7 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_kernel(self, q: torch.Tensor, kv_cache: KVCache):
         """The compiled decode kernel when it applies to this step's tensors, else None."""
         if (not self.use_cpu_kernel or not isinstance(kv_cache, PagedKVCache)
-                or q.dtype != kv_cache.dtype or not q.is_contiguous()):
+                or q.dtype != kv_cache.dtype or q.stride(2) != 1 or q.stride(1) != self.head_dim):
             return None
         key = (q.dtype, q.device)
         if key not in self._kernels:
@@ -68,7 +68,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         kv_cache.write(layer, meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         kernel = self._decode_kernel(q, kv_cache) if meta.num_decodes else None
         prefills, decode = self._plans(meta, kernel is not None)
         for plan in prefills:
@@ -170,7 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _kernel_decode(self, kernel, layer: int, plan: _KernelDecodePlan, q: torch.Tensor,
                        out: torch.Tensor, kv_cache: PagedKVCache) -> None:
         k_cache, v_cache = kv_cache.layer_blocks(layer)
-        kernel(q.data_ptr(), out.data_ptr(), plan.token_ids.data_ptr(), self.num_heads * self.head_dim,
+        kernel(q.data_ptr(), out.data_ptr(), plan.token_ids.data_ptr(), q.stride(0), out.stride(0),
                k_cache.data_ptr(), v_cache.data_ptr(), plan.block_tables.data_ptr(),
                plan.block_tables.shape[1], plan.seq_lens.data_ptr(), plan.token_ids.numel(),
                self.num_heads, self.num_kv_heads, kv_cache.block_size, self.scale,
