@@ -20,7 +20,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.tools.cost_model import CostModelRunner, StepCost
-from kvserve.tools.plan import DTYPE_BYTES, fmt_bytes, kv_bytes_per_block, normalize_dtype
+from kvserve.tools.plan import DTYPE_BYTES, fmt_bytes, kv_bytes_per_block, normalize_dtype, plan_kv
 from kvserve.tools.presets import count_parameters, resolve_model
 from kvserve.tools.workload import (DEFAULT_TOKEN_RANGE, LengthDist, Trace, WorkloadSpec, synthetic_trace,
                                     trace_from_request_log)
@@ -264,8 +264,8 @@ def build_configs(args, model_cfg, model_dtype: str) -> list[SimConfig]:
     configs = []
     for bs, mem_blocks, dt, n, pol, ca in itertools.product(sizes, pools, dtypes, seqs, policies, aware):
         mem, blocks = mem_blocks
-        if blocks is None:
-            blocks = mem // kv_bytes_per_block(model_cfg, bs, dt, model_dtype)
+        if blocks is None:  # the engine's arithmetic, quantized caches' residual pool included
+            blocks = plan_kv(model_cfg, mem, bs, dt, model_dtype, max_num_seqs=n).num_blocks
         configs.append(SimConfig(bs, blocks, dt, mem, n, pol, ca, args.max_num_batched_tokens,
                                  not args.no_prefix_caching))
     return configs
