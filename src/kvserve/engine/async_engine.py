@@ -116,6 +116,8 @@ class AsyncLLM:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        # Queued offload writes reach disk/Redis and the disk tier's directory lock is released.
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:
