@@ -44,7 +44,7 @@ def test_engine_flags_map_one_to_one():
     assert args.served_model_name == "a" and ns.served_model_name == ["a", "b"]
     assert args.disable_log_stats is True
     defaults = engine_args_from(parse("serve"))
-    assert dataclasses.asdict(defaults) == dataclasses.asdict(EngineArgs())
+    assert dataclasses.asdict(defaults) == dataclasses.asdict(_validated(EngineArgs()))
 
 
 def test_server_defaults():
@@ -69,7 +69,12 @@ def test_unimplemented_or_bad_flags_are_refused(argv, needle, capsys):
 
 def test_tensor_parallel_size_one_is_accepted():
     ns = parse("serve", "--tensor-parallel-size", "1", "--enforce-eager")
-    assert engine_args_from(ns) == EngineArgs()
+    assert engine_args_from(ns) == _validated(EngineArgs())
+
+
+def _validated(args: EngineArgs) -> EngineArgs:
+    args.validate()  # resolves defaults that depend on other flags (preemption mode)
+    return args
 
 
 def test_invalid_engine_values_are_config_errors():

@@ -54,7 +54,8 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step (default 2048 with chunked prefill)",
     "enable_chunked_prefill": "split long prompts across steps so decodes keep flowing",
     "scheduling_policy": "fcfs, or priority (lower `priority` value runs first)",
-    "preemption_mode": "what happens to a preempted request's KV: recompute or swap",
+    "preemption_mode": "what happens to a preempted request's KV: recompute, or swap to the host "
+                       "tier (default: swap when --swap-space/--cpu-offload-gb is set, else recompute)",
     "cache_aware_scheduling": "admit the waiting request with the longest cached prefix first (SGLang LPM)",
     "check_integrity": "verify block accounting after every step (slow; debugging)",
     "disable_log_stats": "no periodic stats log line",

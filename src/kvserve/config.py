@@ -66,7 +66,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
+    # None: swap when a host tier exists (measured 4-16 % faster than recompute, see README),
+    # recompute otherwise.
+    preemption_mode: str | None = None
     # Among waiting requests that fit, admit those with the longest cached prefix first (SGLang's LPM).
     cache_aware_scheduling: bool = False
     # Debugging and logging
@@ -85,6 +87,8 @@ class EngineArgs:
             self.kv_cache_dtype = "fp8_e4m3"
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)} (got {self.scheduling_policy!r})")
+        if self.preemption_mode is None:
+            self.preemption_mode = "swap" if self.host_tier_gib > 0 else "recompute"
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)} (got {self.preemption_mode!r})")
         if self.dtype not in DTYPES:
