@@ -222,8 +222,9 @@ class LLMEngine:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 req.finished_time = now
-            groups[seq.req.request_id] = self._group_of[req.request_id]
-        return [self._make_output(g) for g in {id(g): g for g in groups.values()}.values()]
+            group = self._group_of[req.request_id]
+            groups[group.request_id] = group  # n > 1: one output per request, not per sequence
+        return [self._make_output(g) for g in groups.values()]
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outputs = []
