@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.setup import resolve_device  # noqa: E402
-from kvserve.model.loader import load_model, resolve_dtype  # noqa: E402
+from kvserve.model.loader import hf_config_dict, load_model, resolve_dtype  # noqa: E402
 
 
 def make_workloads(n: int, vocab: int, seed: int = 0) -> dict[str, tuple[list[list[int]], int]]:
@@ -54,13 +54,7 @@ def run_kvserve(llm: LLM, prompts, out_len) -> dict:
 def hf_model(dtype: torch.dtype):
     import transformers
     loaded = load_model(None, dtype=torch.float32)
-    c = loaded.config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings)
+    cfg = transformers.LlamaConfig(**hf_config_dict(loaded.config))
     model = transformers.LlamaForCausalLM(cfg)
     model.load_state_dict(loaded.weights, strict=False)
     model.tie_weights()

@@ -12,15 +12,9 @@ def load_hf(path):
     if path is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
         return model.eval()
-    from kvserve.model.loader import load_model
+    from kvserve.model.loader import hf_config_dict, load_model
     loaded = load_model(None, dtype=torch.float32)
-    c = loaded.config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings)
+    cfg = transformers.LlamaConfig(**hf_config_dict(loaded.config))
     model = transformers.LlamaForCausalLM(cfg)
     missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)

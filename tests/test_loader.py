@@ -364,3 +364,10 @@ def test_resolve_dtype():
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16 else torch.float32)
     with pytest.raises(ModelLoadError, match="--dtype must be one of"):
         resolve_dtype("fp64", "cpu")
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "llama3_rope", "mistral_swa", "qwen2_bias", "llama_tied"])
+def test_hf_config_dict_inverts_model_config_from_hf(tmp_path, kind):
+    from kvserve.model.loader import hf_config_dict, load_hf_directory, model_config_from_hf
+    cfg = load_hf_directory(make_tiny_model(tmp_path, kind)).config
+    assert model_config_from_hf(hf_config_dict(cfg), name=cfg.name) == cfg

@@ -18,27 +18,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from kvserve.model.loader import embedded_model_path, load_hf_directory, load_model  # noqa: E402
+from kvserve.model.loader import embedded_model_path, hf_config_dict, load_hf_directory, load_model  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / ".venvs" / "smollm2-hf"
 STAMP = "kvserve_export.json"
 
 
 def hf_config(c, dtype: torch.dtype) -> dict:
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": c.attention_bias, "hidden_act": "silu", "torch_dtype": str(dtype).replace("torch.", ""),
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids,
-    }
-    if c.rope_scaling is not None:
-        cfg["rope_scaling"] = c.rope_scaling
-    return cfg
+    return {**hf_config_dict(c), "torch_dtype": str(dtype).replace("torch.", "")}
 
 
 def source_stamp(gguf: Path) -> dict:

