@@ -47,8 +47,8 @@ def ttft(llm, prompt, params=None):
     return time.perf_counter() - start, out
 
 
-def make_llm(tier_kwargs, pool_blocks, max_model_len, **extra):
-    return LLM(None, dtype="float32", block_size=BLOCK, num_gpu_blocks_override=pool_blocks,
+def make_llm(tier_kwargs, pool_blocks, max_model_len, dtype="float32", **extra):
+    return LLM(None, dtype=dtype, block_size=BLOCK, num_gpu_blocks_override=pool_blocks,
                max_model_len=max_model_len, max_num_batched_tokens=2048, **tier_kwargs, **extra)
 
 
@@ -126,7 +126,7 @@ def multi_turn(tiers: dict, num_chats: int, turns: int, first_len: int, pool_blo
     return rows
 
 
-def preemption(num_reqs: int, prompt_len: int, gen: int) -> list[dict]:
+def preemption(num_reqs: int, prompt_len: int, gen: int, dtype: str = "float32") -> list[dict]:
     rng = random.Random(2)
     prompts = [[rng.randrange(49152) for _ in range(prompt_len)] for _ in range(num_reqs)]
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
@@ -134,7 +134,7 @@ def preemption(num_reqs: int, prompt_len: int, gen: int) -> list[dict]:
     pool = num_reqs * (prompt_len // BLOCK + 1) + 2
     rows, tokens = [], {}
     for mode in ("recompute", "swap"):
-        llm = make_llm({"swap_space": 1.0}, pool, prompt_len + gen + BLOCK, preemption_mode=mode)
+        llm = make_llm({"swap_space": 1.0}, pool, prompt_len + gen + BLOCK, dtype, preemption_mode=mode)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -142,10 +142,12 @@ def preemption(num_reqs: int, prompt_len: int, gen: int) -> list[dict]:
         llm.engine.close()
         tokens[mode] = [o.outputs[0].token_ids for o in outs]
         rows.append({"mode": mode, "seconds": elapsed, "preemptions": s.num_preemptions,
-                     "swapped": s.num_swapped_preemptions, "requests": num_reqs,
+                     "swapped": s.num_swapped_preemptions, "fallbacks": s.num_swap_fallbacks,
+                     "requests": num_reqs, "dtype": dtype,
                      "prompt_tokens": prompt_len, "output_tokens": gen})
-        print(f"  {mode:9s} {elapsed:7.2f} s  preemptions {s.num_preemptions}  swapped {s.num_swapped_preemptions}",
-              flush=True)
+        print(f"  {dtype} {mode:9s} {elapsed:7.2f} s  {num_reqs * gen / elapsed:6.1f} out tok/s  "
+              f"preemptions {s.num_preemptions}  swapped {s.num_swapped_preemptions}  "
+              f"fallbacks {s.num_swap_fallbacks}", flush=True)
     assert tokens["recompute"] == tokens["swap"], "swap changed the generated tokens"
     return rows
 
