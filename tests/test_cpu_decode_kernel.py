@@ -13,7 +13,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.attention.cpu_kernel import decode_kernel_for
+from kvserve.model.attention.cpu_kernel import decode_kernel_for, varlen_kernel_for
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
 from kvserve.model.kv_cache import PagedKVCache
 
@@ -79,3 +79,67 @@ def test_many_sequences_take_the_all_heads_path():
     seq_lens = [random.Random(i).randint(1, 200) for i in range(40)]
     got, ref = run_step(torch.bfloat16, 9, 3, 64, 16, seq_lens, [1] * 40, None, 2)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=0)
+
+
+# -- the bf16 varlen kernel (AVX512-BF16): decodes and prefill chunks of all sequences in one call --
+
+def _reference_float64(cache, layer, meta, q, window, scale, heads, kv_heads):
+    """Straightforward attention per query row in float64 over the sequence's blocks."""
+    k_all, v_all = (t.double() for t in cache.layer_blocks(layer))
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    g = heads // kv_heads
+    for i in range(meta.num_seqs):
+        blocks = meta.block_tables[i, :-(-meta.seq_lens[i] // meta.block_size)]
+        keys = k_all[blocks].flatten(0, 1)[:meta.seq_lens[i]]
+        vals = v_all[blocks].flatten(0, 1)[:meta.seq_lens[i]]
+        for r in range(meta.query_lens[i]):
+            row, pos = meta.query_start_loc[i] + r, meta.start_pos[i] + r
+            lo = max(0, pos - window + 1) if window else 0
+            for h in range(heads):
+                s = keys[lo:pos + 1, h // g] @ q[row, h].double() * scale
+                out[row, h] = torch.softmax(s, 0) @ vals[lo:pos + 1, h // g]
+    return out
+
+
+varlen_available = pytest.mark.skipif(
+    varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is None,
+    reason="no AVX512-BF16 (or no compiler): bf16 attention keeps the decode kernel + SDPA")
+
+
+@varlen_available
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
+    (9, 3, 64, 16, None), (9, 3, 64, 8, None), (4, 2, 128, 32, None), (4, 4, 64, 16, 20),
+    (8, 2, 64, 64, 7)])
+def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, window):
+    """Tolerance: q.k products of bf16 inputs are exact in float32 and accumulate in float32; the
+    probabilities are rounded to bf16 before P.V (relative 2^-9 each, so |error| <= 2^-9 max|v|,
+    ~0.009 for |v| <= 4.5) and the output is rounded to bf16 (2^-9 |o|): atol 1.5e-2."""
+    seq_lens = [1, 17, 300, 1056, 40, 64, 200, 33]
+    query_lens = [1, 17, 1, 33, 16, 1, 100, 20]  # fresh prompts, mid-sequence chunks, decodes
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    need = [-(-n // block_size) for n in seq_lens]
+    ids = list(range(sum(need) + 2))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n])
+        at += n
+    cache = PagedKVCache(cfg(heads, kv_heads, head_dim), num_blocks=len(ids), block_size=block_size,
+                         dtype=torch.bfloat16)
+    cache.kv.fill_(float("nan"))  # slots no sequence owns must never be read
+    start = [n - q for n, q in zip(seq_lens, query_lens)]
+    meta = build_attention_metadata(start, query_lens, tables, block_size)
+    hist = build_attention_metadata([0] * len(start), seq_lens, tables, block_size)
+    hist_k = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
+    hist_v = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
+    cache.write(1, hist.slot_mapping, hist_k, hist_v)
+    q = torch.randn(meta.num_tokens, heads, head_dim).bfloat16()
+    rows = torch.cat([torch.arange(hist.query_start_loc[i] + start[i], hist.query_start_loc[i + 1])
+                      for i in range(len(start))])
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5,
+                                    sliding_window=window)
+    got = backend.forward(1, q, hist_k[rows], hist_v[rows], cache, meta).double()
+    ref = _reference_float64(cache, 1, meta, q, window, head_dim ** -0.5, heads, kv_heads)
+    assert "varlen" in meta.backend_state  # the kernel ran, not the SDPA fallback
+    torch.testing.assert_close(got, ref, atol=1.5e-2, rtol=0)

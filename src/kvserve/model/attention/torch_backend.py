@@ -4,9 +4,11 @@ Prefill chunks are attended one sequence at a time over that sequence's gathered
 causal mask offset by the chunk's start position. All decodes of a step share ONE SDPA call over
 their gathered block tables (padded to the longest), with a per-row length mask.
 
-On CPU, decodes over the full-precision cache go through a compiled kernel (cpu_kernel.py) that
-reads each sequence's blocks in place instead of gathering a padded copy; SDPA is the fallback
-(no compiler, quantized caches, other devices or dtypes).
+On CPU, attention over the full-precision cache goes through compiled kernels (cpu_kernel.py)
+that read each sequence's blocks in place instead of gathering a padded copy: for bf16 on
+AVX512-BF16 CPUs one varlen call covers every sequence of the step, decodes and prefill chunks
+alike; for float32 (and bf16 elsewhere) a decode-only kernel covers the decodes. SDPA is the
+fallback (no compiler, quantized caches, other devices or dtypes) and the reference.
 
 A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` only when
 `0 <= qp - kp < window`; blocks wholly left of every query's window are not gathered at all.
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
-from kvserve.model.attention.cpu_kernel import decode_kernel_for
+from kvserve.model.attention.cpu_kernel import decode_kernel_for, varlen_kernel_for
 from kvserve.model.kv_cache import KVCache, PagedKVCache
 
 
@@ -41,6 +43,14 @@ class _DecodePlan:
 
 
 @dataclass
+class _VarlenPlan:  # every sequence of the step, as the varlen kernel takes them (int64, contiguous)
+    q_start: torch.Tensor  # [S]
+    q_len: torch.Tensor  # [S]
+    block_tables: torch.Tensor  # [S, max_blocks]
+    seq_lens: torch.Tensor  # [S]
+
+
+@dataclass
 class _KernelDecodePlan:
     token_ids: torch.Tensor  # [Nd] long, contiguous: token rows of the decodes
     block_tables: torch.Tensor  # [Nd, max_blocks] long, contiguous
@@ -53,23 +63,29 @@ class TorchAttentionBackend(AttentionBackend):
         """`use_cpu_kernel=False` keeps every decode on the SDPA path (reference for tests)."""
         super().__init__(*args, **kwargs)
         self.use_cpu_kernel = use_cpu_kernel
-        self._kernels: dict[tuple[torch.dtype, torch.device], object] = {}
+        self._kernels: dict[tuple[str, torch.dtype, torch.device], object] = {}
 
-    def _decode_kernel(self, q: torch.Tensor, kv_cache: KVCache):
-        """The compiled decode kernel when it applies to this step's tensors, else None."""
+    def _kernel(self, kind: str, q: torch.Tensor, kv_cache: KVCache):
+        """The compiled kernel `kind` ("varlen" or "decode") when it applies to this step's
+        tensors, else None."""
         if (not self.use_cpu_kernel or not isinstance(kv_cache, PagedKVCache)
                 or q.dtype != kv_cache.dtype or q.stride(2) != 1 or q.stride(1) != self.head_dim):
             return None
-        key = (q.dtype, q.device)
+        key = (kind, q.dtype, q.device)
         if key not in self._kernels:
-            self._kernels[key] = decode_kernel_for(q.dtype, self.head_dim, q.device)
+            find = varlen_kernel_for if kind == "varlen" else decode_kernel_for
+            self._kernels[key] = find(q.dtype, self.head_dim, q.device)
         return self._kernels[key]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         kv_cache.write(layer, meta.slot_mapping, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        kernel = self._decode_kernel(q, kv_cache) if meta.num_decodes else None
+        varlen = self._kernel("varlen", q, kv_cache)
+        if varlen is not None:
+            self._varlen(varlen, layer, self._varlen_plan(meta), q, out, kv_cache)
+            return out
+        kernel = self._kernel("decode", q, kv_cache) if meta.num_decodes else None
         prefills, decode = self._plans(meta, kernel is not None)
         for plan in prefills:
             out[plan.rows] = self._prefill(layer, plan, q, k, v, kv_cache)
@@ -97,6 +113,14 @@ class TorchAttentionBackend(AttentionBackend):
                 decode = self._plan_decode(meta)
             meta.backend_state[key] = (prefills, decode)
         return meta.backend_state[key]
+
+    def _varlen_plan(self, meta: AttentionMetadata) -> _VarlenPlan:
+        if "varlen" not in meta.backend_state:
+            qsl = meta.query_start_loc
+            meta.backend_state["varlen"] = _VarlenPlan(
+                torch.tensor(qsl[:-1], dtype=torch.int64), torch.tensor(meta.query_lens, dtype=torch.int64),
+                meta.block_tables.contiguous(), meta.seq_lens_tensor.contiguous())
+        return meta.backend_state["varlen"]
 
     def _first_visible_block(self, first_query_pos: int, block_size: int) -> int:
         if self.sliding_window is None:
@@ -166,6 +190,17 @@ class TorchAttentionBackend(AttentionBackend):
             is_causal=plan.mask is None, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads)
         return o[0].transpose(0, 1)  # [n, Hq, D]
+
+    def _varlen(self, kernel, layer: int, plan: _VarlenPlan, q: torch.Tensor, out: torch.Tensor,
+                kv_cache: PagedKVCache) -> None:
+        k_cache, v_cache = kv_cache.layer_blocks(layer)
+        rc = kernel(q.data_ptr(), out.data_ptr(), plan.q_start.data_ptr(), plan.q_len.data_ptr(),
+                    q.stride(0), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                    plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr(),
+                    plan.q_len.numel(), self.num_heads, self.num_kv_heads, kv_cache.block_size,
+                    self.scale, self.sliding_window or 0)
+        if rc != 0:
+            raise RuntimeError("paged_attention_bf16 kernel has no instance for this build")
 
     def _kernel_decode(self, kernel, layer: int, plan: _KernelDecodePlan, q: torch.Tensor,
                        out: torch.Tensor, kv_cache: PagedKVCache) -> None:

@@ -1,0 +1,313 @@
+// Varlen paged attention for bf16 on AVX512-BF16 CPUs: decode steps and prefill chunks of any
+// number of sequences in one call, reading K/V straight out of their blocks.
+//
+// Why a second kernel: the float32-accumulating decode kernel (paged_decode.cpp) converts every
+// bf16 element and reduces every dot product horizontally, ~15 GMAC/s per core here; prefill
+// chunks went through one SDPA per sequence over a gathered copy of its context. VDPBF16PS does
+// 32 bf16 multiply-adds per instruction into float32, but it pairs elements along the reduction
+// axis, so each operand must be laid out pair-major:
+//   scores: s[t] = sum_d q[d] k_t[d]. A chunk of 16 keys is transposed once (16x32 pairs ->
+//           32x16) so lane t of every register belongs to key t; each query row then needs 32
+//           instructions with its d-pair broadcast, and no horizontal sums. The transpose is
+//           shared by every query row of the work item (G heads x the chunk's tokens).
+//   output: o[d] += sum_t p_t v_t[d]. Rows t and t+1 of V are interleaved (one unpack) so each
+//           register holds (v_t[d], v_t+1[d]) pairs; p is rounded to bf16 as flash-attention does
+//           on GPUs before its P.V product.
+// Softmax is online (flash-attention style) per 16-key chunk, so a work item's memory is a few
+// KB whatever the context length. Work item = (sequence, K/V head, tile of <= TILE query tokens).
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVS_HAVE_BF16 1
+
+namespace {
+
+constexpr int CHUNK = 16;  // keys per softmax step = lanes of a float32 register
+constexpr int TILE = 16;   // query tokens per work item (prefill)
+
+inline __m512 exp512(__m512 x) {  // x <= 0 after max subtraction; ~1e-7 relative error
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+// r[i] = 16 32-bit lanes of row i  ->  r[j] = column j (lane i = old row i).
+inline void transpose16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // afterwards lane L of r[4i+c] = column 4L+c of rows 4i..4i+3
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);       // L0, L2 of rows 0-7
+        const __m512i a2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);      // L1, L3
+        const __m512i b = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);  // rows 8-15
+        const __m512i b2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+        t[c] = _mm512_shuffle_i32x4(a, b, 0x88);        // column c
+        t[8 + c] = _mm512_shuffle_i32x4(a, b, 0xdd);    // column 8 + c
+        t[4 + c] = _mm512_shuffle_i32x4(a2, b2, 0x88);  // column 4 + c
+        t[12 + c] = _mm512_shuffle_i32x4(a2, b2, 0xdd); // column 12 + c
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// Scores of R rows against the staged chunk: sc[r][t] = q_r . k_t (unscaled).
+template <int R, int NP>
+inline void qk_rows(const __m512i* kt, const uint32_t* q, float* sc) {
+    constexpr int A = R >= 4 ? 2 : (R == 1 ? 4 : 3 - (R == 3));  // accumulators per row
+    __m512 s[R][A];
+    for (int r = 0; r < R; ++r)
+        for (int a = 0; a < A; ++a) s[r][a] = _mm512_setzero_ps();
+    for (int j = 0; j < NP; j += A)
+        for (int a = 0; a < A; ++a)
+            for (int r = 0; r < R; ++r)
+                s[r][a] = _mm512_dpbf16_ps(s[r][a], as_bh(kt[j + a]), as_bh(_mm512_set1_epi32((int)q[r * NP + j + a])));
+    for (int r = 0; r < R; ++r) {
+        __m512 t = s[r][0];
+        for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, s[r][a]);
+        _mm512_store_ps(sc + r * CHUNK, t);
+    }
+}
+
+// acc_r = alpha_r * acc_r + sum_t p_rt v_t for R rows (p as bf16 pairs, V pair-interleaved).
+template <int R, int NV>
+inline void pv_rows(const __m512i* vp, const uint16_t* pb, const float* alpha, float* acc) {
+    constexpr int DH = NV * 16;
+    __m512 o[R][NV];
+    for (int r = 0; r < R; ++r) {
+        const __m512 va = _mm512_set1_ps(alpha[r]);
+        for (int c = 0; c < NV; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * DH + 16 * c), va);
+    }
+    for (int u = 0; u < CHUNK / 2; ++u)
+        for (int r = 0; r < R; ++r) {
+            uint32_t pair;
+            memcpy(&pair, pb + r * CHUNK + 2 * u, 4);
+            const __m512bh pu = as_bh(_mm512_set1_epi32((int)pair));
+            for (int c = 0; c < NV; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(vp[u * NV + c]), pu);
+        }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + r * DH + 16 * c, o[r][c]);
+}
+
+template <int N> using Int = std::integral_constant<int, N>;
+
+// Calls f(Int<R>, first_row) over rows in groups of 4, then the remainder as one group.
+template <typename F>
+inline void for_row_groups(int rows, F f) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) f(Int<4>{}, r);
+    switch (rows - r) {
+        case 3: f(Int<3>{}, r); break;
+        case 2: f(Int<2>{}, r); break;
+        case 1: f(Int<1>{}, r); break;
+        default: break;
+    }
+}
+
+// One work item. kt: scratch [NP][16] uint32 (transposed K chunk); vp: [CHUNK/2][NV] (interleaved
+// V pairs); acc: [rows][DH] float; pb: [rows][CHUNK] bf16 probabilities.
+template <int DH>
+void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int64_t q_stride,
+                 int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                 const int64_t* table, int64_t pos0, int64_t seq_len, int h, int g, int hkv, int bs,
+                 float scale, int64_t window, __m512i* kt, __m512i* vp, float* acc, float* m,
+                 float* l, float* alpha, float* sc, uint16_t* pb) {
+    constexpr int NP = DH / 2, NV = DH / 16;
+    const int rows = ntok * g;
+    const int64_t tok_stride = (int64_t)hkv * DH;
+    // Row r = tile token r / g, query head h * g + r % g. Its d-pairs as uint32 for broadcasting;
+    // the softmax scale is applied to the float32 scores (no extra bf16 rounding of q).
+    std::vector<uint32_t> qp((size_t)rows * NP);
+    for (int tq = 0; tq < ntok; ++tq) {
+        const uint16_t* src = q + (q_row0 + tq) * q_stride + (int64_t)h * g * DH;
+        memcpy(&qp[(size_t)tq * g * NP], src, (size_t)g * DH * 2);
+    }
+    for (int r = 0; r < rows; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
+    memset(acc, 0, sizeof(float) * rows * DH);
+    const int64_t last_pos = pos0 + ntok - 1;  // position of the tile's last query
+    int64_t first_key = 0;
+    if (window > 0) first_key = std::max<int64_t>(0, pos0 - window + 1);
+    first_key -= first_key % CHUNK;
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t kp0 = first_key; kp0 <= last_pos; kp0 += CHUNK) {
+        const int nvalid = (int)std::min<int64_t>(CHUNK, last_pos + 1 - kp0);
+        // Stage K transposed and V pair-interleaved; keys past the tile's last position are zero
+        // (never read as garbage: uninitialised slots may hold NaN bit patterns).
+        const uint16_t* krow[CHUNK];
+        const uint16_t* vrow[CHUNK];
+        for (int t = 0; t < CHUNK; ++t) {
+            if (t < nvalid) {
+                const int64_t p = kp0 + t;
+                const int64_t off = (table[p / bs] * bs + p % bs) * tok_stride + (int64_t)h * DH;
+                krow[t] = k_cache + off;
+                vrow[t] = v_cache + off;
+            } else {
+                krow[t] = vrow[t] = nullptr;
+            }
+        }
+        // Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for
+        // the next chunk's rows of this head while this chunk is being used.
+        for (int64_t p = kp0 + CHUNK; p < std::min<int64_t>(kp0 + 2 * CHUNK, last_pos + 1); ++p) {
+            const int64_t off = (table[p / bs] * bs + p % bs) * tok_stride + (int64_t)h * DH;
+            for (int c = 0; c < DH * 2; c += 64) {
+                __builtin_prefetch((const char*)(k_cache + off) + c);
+                __builtin_prefetch((const char*)(v_cache + off) + c);
+            }
+        }
+        for (int c = 0; c < DH / 32; ++c) {  // 16 d-pairs of all 16 keys at a time
+            __m512i kr[16];
+            for (int t = 0; t < CHUNK; ++t)
+                kr[t] = krow[t] ? _mm512_loadu_si512(krow[t] + 32 * c) : _mm512_setzero_si512();
+            transpose16x16(kr);
+            for (int j = 0; j < 16; ++j) kt[16 * c + j] = kr[j];
+        }
+        for (int u = 0; u < CHUNK / 2; ++u) {
+            for (int c = 0; c < DH / 32; ++c) {
+                const __m512i a = vrow[2 * u] ? _mm512_loadu_si512(vrow[2 * u] + 32 * c) : _mm512_setzero_si512();
+                const __m512i b = vrow[2 * u + 1] ? _mm512_loadu_si512(vrow[2 * u + 1] + 32 * c) : _mm512_setzero_si512();
+                vp[u * NV + 2 * c] = _mm512_unpacklo_epi16(a, b);
+                vp[u * NV + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+            }
+        }
+        const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32((int)kp0));
+        // Three passes over the rows, each with independent rows interleaved: one row alone is
+        // a chain of dependent VDPBF16PS (latency ~6 cycles), which left the units mostly idle.
+        for_row_groups(rows, [&](auto R, int r0) { qk_rows<decltype(R)::value, NP>(kt, &qp[(size_t)r0 * NP], sc + r0 * CHUNK); });
+        for (int r = 0; r < rows; ++r) {
+            const int64_t qpos = pos0 + r / g;
+            __mmask16 vis = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32((int)qpos));
+            if (window > 0)
+                vis &= _mm512_cmpgt_epi32_mask(kpos, _mm512_set1_epi32((int)(qpos - window)));
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis,
+                                                _mm512_mul_ps(_mm512_load_ps(sc + r * CHUNK), _mm512_set1_ps(scale)));
+            const float cmax = _mm512_reduce_max_ps(s);
+            if (cmax == -INFINITY) {  // no visible key in this chunk: leave the row as it is
+                alpha[r] = 1.f;
+                _mm256_storeu_si256((__m256i*)&pb[r * CHUNK], _mm256_setzero_si256());
+                continue;
+            }
+            const float mnew = cmax > m[r] ? cmax : m[r];
+            alpha[r] = m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
+            const __m512 p = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(p);
+            m[r] = mnew;
+            _mm256_storeu_si256((__m256i*)&pb[r * CHUNK], (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        for_row_groups(rows, [&](auto R, int r0) {
+            pv_rows<decltype(R)::value, NV>(vp, &pb[r0 * CHUNK], &alpha[r0], acc + (size_t)r0 * DH);
+        });
+    }
+    // Undo the unpack's lane order: register 2c+hi, float lane 4L+w holds d = 32c + 8L + 4hi + w.
+    for (int r = 0; r < rows; ++r) {
+        float ordered[DH];
+        const float* ar = acc + (size_t)r * DH;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int c = 0; c < DH / 32; ++c)
+            for (int hi = 0; hi < 2; ++hi)
+                for (int L = 0; L < 4; ++L)
+                    for (int w = 0; w < 4; ++w)
+                        ordered[32 * c + 8 * L + 4 * hi + w] = ar[(2 * c + hi) * 16 + 4 * L + w] * inv;
+        const int tq = r / g, j = r % g;
+        uint16_t* dst = out + (q_row0 + tq) * out_stride + ((int64_t)h * g + j) * DH;
+        for (int c = 0; c < DH / 16; ++c)
+            _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(ordered + 16 * c)));
+    }
+}
+
+struct WorkItem { int seq; int h; int tok0; int ntok; };
+
+template <int DH>
+void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, const int64_t* q_len,
+                     int64_t q_stride, int64_t out_stride, const uint16_t* k_cache,
+                     const uint16_t* v_cache, const int64_t* block_tables, int64_t bt_stride,
+                     const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale,
+                     int64_t window) {
+    const int g = hq / hkv;
+    std::vector<WorkItem> items;
+    for (int i = 0; i < n; ++i)
+        for (int t0 = 0; t0 < q_len[i]; t0 += TILE)
+            for (int h = 0; h < hkv; ++h)
+                items.push_back({i, h, t0, (int)std::min<int64_t>(TILE, q_len[i] - t0)});
+    // Costliest items first (prefill tiles over long contexts) so the dynamic schedule ends with
+    // small ones and threads finish together.
+    auto cost = [&](const WorkItem& it) { return (int64_t)it.ntok * (seq_lens[it.seq] - q_len[it.seq] + it.tok0 + it.ntok); };
+    std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
+    #pragma omp parallel
+    {
+        alignas(64) __m512i kt[DH / 2];
+        alignas(64) __m512i vp[(CHUNK / 2) * (DH / 16)];
+        std::vector<float> acc((size_t)TILE * g * DH), m(TILE * g), l(TILE * g), alpha(TILE * g);
+        float* sc = (float*)aligned_alloc(64, sizeof(float) * TILE * g * CHUNK);
+        std::vector<uint16_t> pb((size_t)TILE * g * CHUNK);
+        #pragma omp for schedule(dynamic, 1)
+        for (size_t w = 0; w < items.size(); ++w) {
+            const WorkItem& it = items[w];
+            const int64_t pos0 = seq_lens[it.seq] - q_len[it.seq] + it.tok0;
+            attend_item<DH>(q, out, q_start[it.seq] + it.tok0, it.ntok, q_stride, out_stride,
+                            k_cache, v_cache, block_tables + (int64_t)it.seq * bt_stride, pos0,
+                            seq_lens[it.seq], it.h, g, hkv, bs, scale, window, kt, vp, acc.data(),
+                            m.data(), l.data(), alpha.data(), sc, pb.data());
+        }
+        free(sc);
+    }
+}
+
+}  // namespace
+#endif
+
+extern "C" int paged_attention_bf16_available() {
+#ifdef KVS_HAVE_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Returns 0 on success, -1 when this build or head size has no kernel (the caller falls back).
+#define PA_ENTRY(NAME, DH) \
+extern "C" int NAME(const void* q, void* out, const int64_t* q_start, const int64_t* q_len, \
+                    int64_t q_stride, int64_t out_stride, const void* k, const void* v, \
+                    const int64_t* bt, int64_t bt_stride, const int64_t* seq_lens, int n, int hq, \
+                    int hkv, int bs, float scale, int64_t window)
+#ifdef KVS_HAVE_BF16
+PA_ENTRY(paged_attention_bf16_d64, 64) {
+    paged_attention<64>((const uint16_t*)q, (uint16_t*)out, q_start, q_len, q_stride, out_stride,
+                        (const uint16_t*)k, (const uint16_t*)v, bt, bt_stride, seq_lens, n, hq, hkv,
+                        bs, scale, window);
+    return 0;
+}
+PA_ENTRY(paged_attention_bf16_d128, 128) {
+    paged_attention<128>((const uint16_t*)q, (uint16_t*)out, q_start, q_len, q_stride, out_stride,
+                         (const uint16_t*)k, (const uint16_t*)v, bt, bt_stride, seq_lens, n, hq, hkv,
+                         bs, scale, window);
+    return 0;
+}
+#else
+PA_ENTRY(paged_attention_bf16_d64, 64) { return -1; }
+PA_ENTRY(paged_attention_bf16_d128, 128) { return -1; }
+#endif
