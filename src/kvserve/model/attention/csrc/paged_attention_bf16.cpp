@@ -29,7 +29,8 @@
 
 namespace {
 
-constexpr int CHUNK = 16;  // keys per softmax step = lanes of a float32 register
+constexpr int CHUNK = 32;  // keys per softmax step: two float32 registers (the max / sum
+                           // reductions per step cost as much as the dot products at 16)
 constexpr int TILE = 16;   // query tokens per work item (prefill)
 
 inline __m512 exp512(__m512 x) {  // x <= 0 after max subtraction; ~1e-7 relative error
@@ -129,7 +130,7 @@ inline void for_row_groups(int rows, F f) {
     }
 }
 
-// One work item. kt: scratch [NP][16] uint32 (transposed K chunk); vp: [CHUNK/2][NV] (interleaved
+// One work item. kt: scratch [CHUNK/16][NP][16] uint32 (transposed K chunk); vp: [CHUNK/2][NV] (interleaved
 // V pairs); acc: [rows][DH] float; pb: [rows][CHUNK] bf16 probabilities.
 template <int DH>
 void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int64_t q_stride,
@@ -181,10 +182,14 @@ void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int
         }
         for (int c = 0; c < DH / 32; ++c) {  // 16 d-pairs of all 16 keys at a time
             __m512i kr[16];
-            for (int t = 0; t < CHUNK; ++t)
-                kr[t] = krow[t] ? _mm512_loadu_si512(krow[t] + 32 * c) : _mm512_setzero_si512();
-            transpose16x16(kr);
-            for (int j = 0; j < 16; ++j) kt[16 * c + j] = kr[j];
+            for (int half = 0; half < CHUNK / 16; ++half) {  // kt: [half][NP][16 keys]
+                for (int t = 0; t < 16; ++t) {
+                    const uint16_t* row = krow[16 * half + t];
+                    kr[t] = row ? _mm512_loadu_si512(row + 32 * c) : _mm512_setzero_si512();
+                }
+                transpose16x16(kr);
+                for (int j = 0; j < 16; ++j) kt[half * NP + 16 * c + j] = kr[j];
+            }
         }
         for (int u = 0; u < CHUNK / 2; ++u) {
             for (int c = 0; c < DH / 32; ++c) {
@@ -197,26 +202,37 @@ void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int
         const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32((int)kp0));
         // Three passes over the rows, each with independent rows interleaved: one row alone is
         // a chain of dependent VDPBF16PS (latency ~6 cycles), which left the units mostly idle.
-        for_row_groups(rows, [&](auto R, int r0) { qk_rows<decltype(R)::value, NP>(kt, &qp[(size_t)r0 * NP], sc + r0 * CHUNK); });
+        for (int half = 0; half < CHUNK / 16; ++half)
+            for_row_groups(rows, [&](auto R, int r0) {
+                qk_rows<decltype(R)::value, NP>(kt + half * NP, &qp[(size_t)r0 * NP], sc + r0 * CHUNK + 16 * half);
+            });
+        const __m512i kpos1 = _mm512_add_epi32(kpos, _mm512_set1_epi32(16));
         for (int r = 0; r < rows; ++r) {
             const int64_t qpos = pos0 + r / g;
-            __mmask16 vis = _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32((int)qpos));
-            if (window > 0)
-                vis &= _mm512_cmpgt_epi32_mask(kpos, _mm512_set1_epi32((int)(qpos - window)));
-            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis,
-                                                _mm512_mul_ps(_mm512_load_ps(sc + r * CHUNK), _mm512_set1_ps(scale)));
-            const float cmax = _mm512_reduce_max_ps(s);
+            const __m512i qv = _mm512_set1_epi32((int)qpos);
+            __mmask16 vis0 = _mm512_cmple_epi32_mask(kpos, qv), vis1 = _mm512_cmple_epi32_mask(kpos1, qv);
+            if (window > 0) {
+                const __m512i lo = _mm512_set1_epi32((int)(qpos - window));
+                vis0 &= _mm512_cmpgt_epi32_mask(kpos, lo);
+                vis1 &= _mm512_cmpgt_epi32_mask(kpos1, lo);
+            }
+            const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+            const __m512 s0 = _mm512_mask_mov_ps(ninf, vis0, _mm512_mul_ps(_mm512_load_ps(sc + r * CHUNK), vscale));
+            const __m512 s1 = _mm512_mask_mov_ps(ninf, vis1, _mm512_mul_ps(_mm512_load_ps(sc + r * CHUNK + 16), vscale));
+            const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
             if (cmax == -INFINITY) {  // no visible key in this chunk: leave the row as it is
                 alpha[r] = 1.f;
-                _mm256_storeu_si256((__m256i*)&pb[r * CHUNK], _mm256_setzero_si256());
+                memset(&pb[r * CHUNK], 0, CHUNK * sizeof(uint16_t));
                 continue;
             }
             const float mnew = cmax > m[r] ? cmax : m[r];
-            alpha[r] = m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
-            const __m512 p = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(p);
+            alpha[r] = m[r] == -INFINITY ? 0.f : (mnew == m[r] ? 1.f : expf(m[r] - mnew));
+            const __m512 vm = _mm512_set1_ps(mnew);
+            const __m512 p0 = _mm512_maskz_mov_ps(vis0, exp512(_mm512_sub_ps(s0, vm)));
+            const __m512 p1 = _mm512_maskz_mov_ps(vis1, exp512(_mm512_sub_ps(s1, vm)));
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
             m[r] = mnew;
-            _mm256_storeu_si256((__m256i*)&pb[r * CHUNK], (__m256i)_mm512_cvtneps_pbh(p));
+            _mm512_storeu_si512((__m512i*)&pb[r * CHUNK], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
         for_row_groups(rows, [&](auto R, int r0) {
             pv_rows<decltype(R)::value, NV>(vp, &pb[r0 * CHUNK], &alpha[r0], acc + (size_t)r0 * DH);
@@ -259,7 +275,7 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
     std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
     #pragma omp parallel
     {
-        alignas(64) __m512i kt[DH / 2];
+        alignas(64) __m512i kt[(CHUNK / 16) * (DH / 2)];
         alignas(64) __m512i vp[(CHUNK / 2) * (DH / 16)];
         std::vector<float> acc((size_t)TILE * g * DH), m(TILE * g), l(TILE * g), alpha(TILE * g);
         float* sc = (float*)aligned_alloc(64, sizeof(float) * TILE * g * CHUNK);
