@@ -114,8 +114,10 @@ def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, wi
     """Tolerance: q.k products of bf16 inputs are exact in float32 and accumulate in float32; the
     probabilities are rounded to bf16 before P.V (relative 2^-9 each, so |error| <= 2^-9 max|v|,
     ~0.009 for |v| <= 4.5) and the output is rounded to bf16 (2^-9 |o|): atol 1.5e-2."""
-    seq_lens = [1, 17, 300, 1056, 40, 64, 200, 33]
-    query_lens = [1, 17, 1, 33, 16, 1, 100, 20]  # fresh prompts, mid-sequence chunks, decodes
+    seq_lens = [1, 17, 300, 1056, 40, 64, 200, 33, 50, 7]
+    # Fresh prompts, mid-sequence chunks, decodes; 6 and 7 tokens leave 2 and 1 rows past the
+    # kernel's groups of 4 rows for every GQA ratio here.
+    query_lens = [1, 17, 1, 33, 16, 1, 100, 20, 6, 7]
     rng = random.Random(3)
     torch.manual_seed(3)
     need = [-(-n // block_size) for n in seq_lens]

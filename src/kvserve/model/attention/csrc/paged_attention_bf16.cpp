@@ -80,7 +80,8 @@ inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 // Scores of R rows against the staged chunk: sc[r][t] = q_r . k_t (unscaled).
 template <int R, int NP>
 inline void qk_rows(const __m512i* kt, const uint32_t* q, float* sc) {
-    constexpr int A = R >= 4 ? 2 : (R == 1 ? 4 : 3 - (R == 3));  // accumulators per row
+    constexpr int A = R >= 4 ? 2 : 4;  // accumulators per row (must divide NP)
+    static_assert(NP % A == 0, "d-pairs must split evenly over the accumulators");
     __m512 s[R][A];
     for (int r = 0; r < R; ++r)
         for (int a = 0; a < A; ++a) s[r][a] = _mm512_setzero_ps();
