@@ -39,9 +39,15 @@ class KVTransfer:
         except NotImplementedError:
             raise ConfigError(f"the KV offload tiers (--swap-space, --kv-disk-path, --kv-redis-url, "
                               f"--preemption-mode swap) do not support this KV cache "
-                              f"({type(kv_cache).__name__}) yet; use --kv-cache-dtype auto or drop "
+                              f"({type(kv_cache).__name__}); use --kv-cache-dtype auto or drop "
                               f"the tier flags") from None
-        self._layout = [(tuple(t.shape[1:]), t.dtype) for t in probe]
+        # A cache with open blocks (a quantized cache's KIVI residual) appends their open state
+        # after the stored fields when some block read is open; it is packed only for those.
+        self._open_layout = list(getattr(kv_cache, "open_block_layout", ()))
+        layout = [(tuple(t.shape[1:]), t.dtype) for t in probe]
+        if self._open_layout and layout[-len(self._open_layout):] == self._open_layout:
+            probe, layout = probe[:-len(self._open_layout)], layout[:-len(self._open_layout)]
+        self._layout = layout
         chain.decode = self.decode
         chain.entry_bytes = packed_size([t[0] for t in probe])
         self._written: OrderedDict[bytes, None] = OrderedDict()
@@ -49,9 +55,16 @@ class KVTransfer:
     def decode(self, payload: memoryview) -> list[torch.Tensor]:
         tensors = unpack_block(payload)
         got = [(tuple(t.shape), t.dtype) for t in tensors]
-        if got != self._layout:
+        if got != self._layout and not (self._open_layout and got == self._layout + self._open_layout):
             raise ValueError(f"block layout {got} != this cache's {self._layout}")
         return tensors
+
+    def _block_tensors(self, data: list[torch.Tensor], j: int) -> list[torch.Tensor]:
+        """Row j of read_blocks' output as stored: a sealed block without the open-state rows."""
+        n = len(self._layout)
+        if len(data) > n and bool(data[-1][j].any()):  # the open state's last tensor is its mask
+            return [t[j] for t in data]
+        return [t[j] for t in data[:n]]
 
     @torch.inference_mode()
     def apply(self, out: SchedulerOutput) -> None:
@@ -74,7 +87,7 @@ class KVTransfer:
         if todo:
             data = self.kv_cache.read_blocks(torch.tensor([o.block_id for o in todo]))
             for j, o in enumerate(todo):
-                payload = pack_block([t[j] for t in data])
+                payload = pack_block(self._block_tensors(data, j))
                 if o.held:
                     host.put_held(o.key, payload)  # a failure here costs the resume a recompute
                     continue
@@ -88,9 +101,14 @@ class KVTransfer:
 
     def _restore(self, restores: list[BlockRestore]) -> None:
         start = time.perf_counter()
-        ids = torch.tensor([r.block_id for r in restores])
-        fields = [torch.stack([r.data[i] for r in restores]) for i in range(len(self._layout))]
-        self.kv_cache.write_blocks(ids, fields)
+        # One write per stored form (sealed blocks; swapped-out open blocks with their residual).
+        by_form: dict[int, list[BlockRestore]] = {}
+        for r in restores:
+            by_form.setdefault(len(r.data), []).append(r)
+        for group in by_form.values():
+            ids = torch.tensor([r.block_id for r in group])
+            fields = [torch.stack([r.data[i] for r in group]) for i in range(len(group[0].data))]
+            self.kv_cache.write_blocks(ids, fields)
         self.chain.stats.restore_seconds += time.perf_counter() - start
 
     def _remember(self, key: bytes) -> None:
@@ -112,7 +130,8 @@ def engine_fingerprint(args: EngineArgs, model_config: Any, weights: dict[str, t
     kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else str(dtype).removeprefix("torch.")
     return EngineFingerprint.from_model_config(
         model_config, model_id=f"{model_config.architecture}:{model_config.name}:{h.hexdigest()}",
-        kv_cache_dtype=kv_dtype, block_size=args.block_size, extra=type(kv_cache).__name__)
+        kv_cache_dtype=kv_dtype, block_size=args.block_size,
+        extra=":".join(filter(None, (type(kv_cache).__name__, getattr(kv_cache, "layout_tag", "")))))
 
 
 def build_kv_tiers(args: EngineArgs, fingerprint: EngineFingerprint, kv_cache: Any

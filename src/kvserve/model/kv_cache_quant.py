@@ -174,6 +174,82 @@ class QuantizedKVCache(KVCache):
                 self._release(layer, dst[exact])
                 self.sealed_fill[layer, dst[exact]] = bs
 
+    # -- offload tiers and swap (stored form of whole blocks) --
+    # A sealed block is its codes plus `fill` (valid tokens per layer). An *open* block's tokens
+    # are still full precision in the residual pool, and re-quantizing them early would change
+    # the numbers the sequence continues with; so its residual rows travel along, verbatim, and
+    # a swapped-in sequence resumes exactly where it stopped, whatever block id it lands in.
+
+    @property
+    def open_block_layout(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per-block (shape, dtype) of the open state `read_blocks` appends when a block asked for
+        is open: residual K/V `[L, 2, bs, H, D]`, then its written-slot mask `[L, bs]` (a block
+        whose mask row is all False is not open and needs neither)."""
+        if not self.staged:
+            return []
+        L = self.num_layers
+        return [((L, *self.res_kv.shape[2:]), self.dtype), ((L, self.block_size), torch.bool)]
+
+    @property
+    def layout_tag(self) -> str:
+        """What decides a stored block's bytes beyond the dtype (goes into the tier fingerprint)."""
+        fields = ",".join(f"{n}{list(t.shape[2:])}:{t.dtype}" for n, t in self.fields.items())
+        return f"{self.kind}/{'residual' if self.staged else 'direct'}/{fields}"
+
+    def read_blocks(self, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        """`[n, L, ...]` per storage field, then (residual caches) `fill` `[n, L]` int16, then -
+        only when some block is open - the `open_block_layout` tensors, zero for sealed rows."""
+        ids = block_ids.to(self.device)
+        self.check_block_ids(ids)
+        out = []
+        for t in self.fields.values():
+            raw = t.view(torch.uint8) if t.dtype in quant.FP8_DTYPES.values() else t
+            out.append(raw.index_select(1, ids).movedim(1, 0).contiguous().view(t.dtype))
+        if not self.staged:
+            return out
+        out.append(self.sealed_fill.index_select(1, ids).t().contiguous())
+        entry = self.block_res.index_select(1, ids)  # [L, n]
+        open_ = entry >= 0
+        if bool(open_.any()):
+            layers = torch.arange(self.num_layers, device=self.device)[:, None]
+            e = entry.clamp_min(0)
+            kv = torch.where(open_[..., None, None, None, None], self.res_kv[layers, e], 0)
+            mask = self.res_mask[layers, e] & open_[..., None]
+            out += [kv.movedim(1, 0).contiguous(), mask.movedim(1, 0).contiguous()]
+        return out
+
+    def write_blocks(self, block_ids: torch.Tensor, data: Sequence[torch.Tensor]) -> None:
+        """Inverse of `read_blocks` (with or without the open state). Whatever the target blocks
+        held before - codes or a residual entry of an earlier occupant - is replaced."""
+        ids = block_ids.to(self.device)
+        self.check_block_ids(ids)
+        n_fields = len(self.fields)
+        n_open = len(self.open_block_layout)
+        expect = (n_fields,) if not self.staged else (n_fields + 1, n_fields + 1 + n_open)
+        if len(data) not in expect:
+            raise ValueError(f"{type(self).__name__}.write_blocks takes {' or '.join(map(str, expect))} "
+                             f"tensors (read_blocks' output), got {len(data)}")
+        for t, x in zip(self.fields.values(), data):
+            raw = t.view(torch.uint8) if t.dtype in quant.FP8_DTYPES.values() else t
+            raw[:, ids] = x.to(self.device).view(raw.dtype).movedim(0, 1)
+        if not self.staged:
+            return
+        for layer in range(self.num_layers):
+            self._release(layer, ids)
+        self.sealed_fill[:, ids] = data[n_fields].to(self.device, torch.int16).t()
+        if len(data) == n_fields + 1:
+            return
+        res_kv, res_mask = (x.to(self.device) for x in data[n_fields + 1:])
+        for layer in range(self.num_layers):
+            open_ = res_mask[:, layer].any(1)
+            if not bool(open_.any()):
+                continue
+            e = self._allocate(layer, ids[open_], busy=ids)
+            self.res_kv[layer, e] = res_kv[open_, layer].to(self.dtype)
+            self.res_mask[layer, e] = res_mask[open_, layer]
+            self._clock[layer] += 1
+            self.res_clock[layer, e] = self._clock[layer]
+
     # -- the residual pool --
 
     def _release(self, layer: int, block_ids: torch.Tensor) -> None:

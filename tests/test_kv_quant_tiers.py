@@ -1,0 +1,211 @@
+"""Quantized KV caches (fp8 / int8 / int4) through the offload tiers and swap preemption.
+
+The reference for a quantized dtype is the same dtype on a pool big enough that nothing is evicted
+or preempted: a block that travels host / disk keeps its codes bit for bit, and a swapped-out open
+block (still full precision in the KIVI residual) comes back with its residual rows, so the output
+must match token for token, not just within quantization error.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.engine.scheduler_output import BlockCopy
+from kvserve.kv.tiers.codec import pack_block
+from kvserve.model.kv_cache import create_kv_cache
+from kvserve.model.kv_cache_quant import Fp8PagedKVCache, IntPagedKVCache, KVScales
+
+from test_kv_quant import TINY, samples, write_seq
+from test_tiers_engine import BS, SMALL, documents_workload, greedy
+from tiny_models import make_tiny_model
+
+QUANT = ["fp8_e4m3", "int8", "int4"]
+POOL = 10  # blocks; a request needs at most 10 (128-token document + question + answer)
+# Documents end on a block boundary: a prefix ending mid-block is served by copying a cached
+# partial block while it is on the device, but recomputed once evicted (tiers hold full blocks
+# only), and for a quantized cache the copy holds dequantized values, the recompute full precision:
+# a difference that is the pool's, not the tiers'.
+DOCS = dict(num_docs=5, doc_len=128, questions=2)  # 5 x 8 blocks = 40 >= 4 x POOL
+# Per-step check_integrity would dominate these runs; test_tiers_engine runs the same manager
+# with it, and these tests check the pool at the end instead.
+TIGHT = dict(SMALL, num_gpu_blocks_override=POOL, max_model_len=POOL * BS, check_integrity=False)
+ROOMY = dict(TIGHT, num_gpu_blocks_override=20 * POOL)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), kind="llama_gqa"))
+
+
+def prompts_of(seed):
+    return [p for batch in documents_workload(seed, **DOCS) for p in batch]
+
+
+def one_at_a_time(llm, prompts):
+    """So that the working set passes through the small pool (and batches match across runs)."""
+    return [llm.generate([p], greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def roomy_outputs(tiny):
+    """(dtype, rounds) -> greedy outputs of the first rounds of prompts_of(1) with nothing evicted
+    and no tiers (memoized)."""
+    memo = {}
+
+    def get(dtype, rounds=DOCS["questions"]):
+        n = rounds * DOCS["num_docs"]
+        have = [outs for (d, r), outs in memo.items() if d == dtype and r >= rounds]
+        if not have:  # prompts run one at a time: a round's outputs do not depend on later rounds
+            have = [one_at_a_time(LLM(tiny, **ROOMY, kv_cache_dtype=dtype), prompts_of(1)[:n])]
+            memo[dtype, rounds] = have[0]
+        return have[0][:n]
+    return get
+
+
+# ------------------------------------------------------------------------------ the cache alone
+
+@pytest.mark.parametrize("dt", QUANT)
+def test_read_write_blocks_moves_an_open_block_and_resumes_bit_exact(dt):
+    bs = 8
+    c = create_kv_cache(TINY, num_blocks=10, block_size=bs, kv_cache_dtype=dt)
+    k, v = samples(40, (16, 2, 16)), samples(41, (16, 2, 16))
+    write_seq(c, [2, 5], k[:13], v[:13], [9, 1, 1, 1, 1])  # block 2 sealed, block 5 open (5 tokens)
+    # Targets that hold something else: 6 an open block of another sequence, 7 a sealed one.
+    write_seq(c, [7, 6], samples(42, (11, 2, 16)), samples(43, (11, 2, 16)), [11])
+    assert len(c.read_blocks(torch.tensor([2]))) == len(c.fields) + 1  # sealed: codes + fill only
+    data = c.read_blocks(torch.tensor([2, 5]))
+    assert len(data) == len(c.fields) + 3 and not data[-1][0].any() and data[-1][1].any()
+    assert [(tuple(t.shape[1:]), t.dtype) for t in data[-2:]] == c.open_block_layout
+    c.write_blocks(torch.tensor([7, 6]), data)
+    assert int((c.res_owner[0] == 6).sum()) == 1  # block 6's old entry was replaced, not leaked
+    for layer in range(c.num_layers):
+        assert torch.equal(c.gather(layer, torch.tensor([7, 6]))[0], c.gather(layer, torch.tensor([2, 5]))[0])
+    # Both copies continue: the moved open block seals with the statistics of all its tokens.
+    for table in ([2, 5], [7, 6]):
+        for t in range(13, 16):
+            p = torch.tensor([t])
+            slot = torch.tensor(table)[p // bs] * bs + p % bs
+            for layer in range(c.num_layers):
+                c.write(layer, slot, k[t:t + 1] * (layer + 1), v[t:t + 1] * (layer + 1))
+    assert bool((c.block_res[:, [5, 6]] < 0).all())  # both sealed now
+    for name, t in c.fields.items():
+        assert torch.equal(t[:, [7, 6]].view(torch.uint8), t[:, [2, 5]].view(torch.uint8)), name
+    # Sealed-only contents written over an open block: its residual entry is dropped, so gather
+    # and copy_blocks (the bit-exact whole-block path) see the restored codes.
+    write_seq(c, [8], k[:3], v[:3], [3])
+    c.write_blocks(torch.tensor([8]), c.read_blocks(torch.tensor([2])))
+    assert bool((c.block_res[:, 8] < 0).all())
+    c.copy_blocks([BlockCopy(8, 9, bs)])
+    for layer in range(c.num_layers):
+        assert torch.equal(c.gather(layer, torch.tensor([9]))[1], c.gather(layer, torch.tensor([2]))[1])
+    with pytest.raises(ValueError, match="write_blocks takes"):
+        c.write_blocks(torch.tensor([8]), data[:2])
+
+
+def test_direct_formats_store_their_fields_only():
+    """No residual (static fp8 scales, int keys per token): a block, open or not, is its codes."""
+    scales = KVScales(torch.full((2,), 0.05), torch.full((2,), 0.05))
+    caches = [Fp8PagedKVCache(TINY, num_blocks=6, block_size=8, dtype=torch.float32, kv_scales=scales),
+              IntPagedKVCache(TINY, num_blocks=6, block_size=8, dtype=torch.float32,
+                              kv_cache_dtype="int4", residual=False)]
+    for c in caches:
+        k, v = samples(60, (13, 2, 16)), samples(61, (13, 2, 16))
+        write_seq(c, [1, 2], k, v, [9, 4])
+        data = c.read_blocks(torch.tensor([1, 2]))
+        assert len(data) == len(c.fields) and c.open_block_layout == []
+        c.write_blocks(torch.tensor([4, 3]), data)
+        for layer in range(c.num_layers):
+            moved, original = (c.gather(layer, torch.tensor(t))[1] for t in ([4, 3], [1, 2]))
+            assert torch.equal(moved, original)
+
+
+# -------------------------------------------------------------------------- through the engine
+
+@pytest.mark.parametrize("dt,tier", [("fp8_e4m3", "host"), ("int8", "host"), ("int4", "host"),
+                                     ("int4", "disk")])
+def test_working_set_4x_pool_matches_roomy_pool(tiny, roomy_outputs, tmp_path, dt, tier):
+    flags = dict(swap_space=0.01) if tier == "host" else dict(kv_disk_path=str(tmp_path / "kv"),
+                                                                kv_disk_size="64MiB")
+    llm = LLM(tiny, **TIGHT, kv_cache_dtype=dt, **flags)
+    try:
+        assert one_at_a_time(llm, prompts_of(1)) == roomy_outputs(dt)
+        s = llm.engine.get_stats()
+        assert s.num_cached_block_evictions >= 4 * POOL
+        assert s.tier_hits[tier] > 0 and s.kv_restored_blocks > 0, s.tier_hits
+        assert s.tier_corrupt[tier] == 0 and s.tier_errors[tier] == 0
+        llm.engine.kv.check_integrity()
+    finally:
+        llm.engine.close()
+
+
+def run_with_urgent_arrival(llm, low, urgent, at_step):
+    """`low` runs alone; after `at_step` steps `urgent` (priority 0) arrives and, the pool being
+    too small for both, preempts it. Outputs by request id."""
+    e, got = llm.engine, {}
+    e.add_request("low", low, greedy(30), priority=1)
+    for step in range(1, 1000):
+        for o in e.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        if step == at_step:
+            e.add_request("urgent", urgent, greedy(20), priority=0)
+        if not e.has_unfinished_requests():
+            return got
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("dt", ["fp8_e4m3", "int4"])
+def test_swap_preemption_resumes_exactly(tiny, dt):
+    """One request per step throughout (max_num_seqs=1), so that the run with a preemption and the
+    runs without compute with the same matrix shapes: CPU GEMM rows change in the last bits with
+    the batch size, and quantization turns such a difference into a whole code step. So any
+    difference left is the swap's. (Sealing the open block on swap-out instead of carrying its
+    residual makes int4 diverge here, as does recompute preemption.)"""
+    rng = random.Random(5)
+    low, urgent = [rng.randrange(256) for _ in range(45)], [rng.randrange(256) for _ in range(60)]
+    common = dict(dtype="float32", kv_cache_dtype=dt, check_integrity=True, block_size=8,
+                  max_model_len=96, max_num_batched_tokens=64, max_num_seqs=1,
+                  scheduling_policy="priority")
+    alone = LLM(tiny, **common, num_gpu_blocks_override=200)
+    want = {"low": alone.generate([low], greedy(30), use_tqdm=False)[0].outputs[0].token_ids,
+            "urgent": alone.generate([urgent], greedy(20), use_tqdm=False)[0].outputs[0].token_ids}
+    llm = LLM(tiny, **common, num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.01)
+    try:
+        # After 9 steps `low` holds 53 tokens: 6 sealed blocks and an open one (5 tokens).
+        assert run_with_urgent_arrival(llm, low, urgent, at_step=9) == want
+        s = llm.engine.get_stats()
+        assert s.num_swapped_preemptions == 1 and s.num_swap_fallbacks == 0
+        assert s.resume_prefix_cache_hits == 53  # nothing recomputed
+        assert s.tier_hits["host"] % 8 == 5  # the open block came back from the host tier
+        assert llm.engine.kv_tiers.host.held_bytes == 0
+        llm.engine.kv.check_integrity()
+    finally:
+        llm.engine.close()
+
+
+def test_other_kv_dtype_never_restores_from_a_shared_disk_tier(tiny, roomy_outputs, tmp_path):
+    disk = dict(kv_disk_path=str(tmp_path / "kv"), kv_disk_size="64MiB")
+    first_round = documents_workload(1, **DOCS)[0]  # each document once: any hit would be int4's
+    writer = LLM(tiny, **TIGHT, kv_cache_dtype="int4", **disk)
+    one_at_a_time(writer, first_round + first_round[:1])  # documents evicted: written as int4
+    written = writer.engine.setup.fingerprint.hex
+    writer.engine.close()
+    assert sum(n.startswith(written) for n in os.listdir(tmp_path / "kv")) >= DOCS["num_docs"]
+    for dt in ("fp8_e4m3", "auto"):
+        reader = LLM(tiny, **TIGHT, kv_cache_dtype=dt, **disk)
+        try:
+            assert reader.engine.setup.fingerprint.hex != written
+            assert one_at_a_time(reader, first_round) == roomy_outputs(dt, rounds=1)
+            assert reader.engine.get_stats().tier_hits.get("disk", 0) == 0
+            # Even under a colliding fingerprint, an int4 block does not fit this cache's layout.
+            int4 = create_kv_cache(reader.engine.model_config, num_blocks=1, block_size=BS,
+                                   kv_cache_dtype="int4")
+            payload = pack_block([t[0] for t in int4.read_blocks(torch.tensor([0]))])
+            with pytest.raises(ValueError, match="block layout"):
+                reader.engine.kv_transfer.decode(memoryview(payload))
+        finally:
+            reader.engine.close()
