@@ -50,6 +50,9 @@ class KVTransfer:
         self._layout = layout
         chain.decode = self.decode
         chain.entry_bytes = packed_size([t[0] for t in probe])
+        if self._open_layout:
+            open_state = [torch.empty(shape, dtype=dtype) for shape, dtype in self._open_layout]
+            chain.open_extra_bytes = packed_size([t[0] for t in probe] + open_state) - chain.entry_bytes
         self._written: OrderedDict[bytes, None] = OrderedDict()
 
     def decode(self, payload: memoryview) -> list[torch.Tensor]:

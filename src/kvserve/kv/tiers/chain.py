@@ -48,6 +48,9 @@ class TierChain:
         self.writer = writer
         self.decode: Callable[[memoryview], object] = lambda payload: payload
         self.entry_bytes = 0  # packed size of one block (set by the transfer); 0: unknown
+        # Extra bytes of a block that is still open (a quantized cache's full-precision residual
+        # rows travel with it); a swapped-out request has at most one open block.
+        self.open_extra_bytes = 0
         self.stats = ChainStats()
         self._held_reserved = 0  # host bytes promised to swap-outs not yet written
         self._usage: dict[str, TierUsage] = {}
@@ -109,7 +112,7 @@ class TierChain:
         host = self.host
         if host is None or not keys or self.entry_bytes <= 0:
             return False
-        need = sum(frame_size(k, self.entry_bytes) for k in keys)
+        need = sum(frame_size(k, self.entry_bytes) for k in keys) + self.open_extra_bytes
         held = getattr(host, "held_bytes", 0)
         if held + self._held_reserved + need > host.usage().capacity_bytes:
             self.stats.swap_fallbacks += 1
