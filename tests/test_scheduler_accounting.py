@@ -178,3 +178,37 @@ def test_cache_aware_admission_prefers_longest_cached_prefix():
 
     assert run(cache_aware=False) == "cold"  # FCFS stays the default
     assert run(cache_aware=True) == "hot"
+
+
+def _prefill_tokens(sched, runner, prompts, max_tokens=2):
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", list(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    computed = 0
+    while sched.has_unfinished_requests():
+        out = step(sched, runner)
+        computed += sum(e.num_new_tokens for e in out.scheduled if e.num_new_tokens > 1)
+    return computed
+
+
+def test_requests_arriving_together_share_an_uncached_prefix():
+    """In-step prefix sharing: of 6 requests that arrive together with one uncached 64-token
+    prefix, one computes it and the others wait a step and hit it, instead of the second and third
+    computing it again beside the first in the same step."""
+    prefix = [(7 * i) % 50 for i in range(64)]
+    prompts = [prefix + [100 + i, 101 + i, 102 + i] for i in range(6)]
+    for caching, want in ((True, 64 + 6 * 3), (False, 6 * 67)):
+        kv = KVCacheManager(64, 4, enable_caching=caching)
+        cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
+        sched = Scheduler(cfg, kv)
+        computed = _prefill_tokens(sched, CostModelRunner(vocab_size=200), prompts)
+        assert computed == want, (caching, computed)
+
+
+def test_a_waiting_request_is_not_held_back_by_a_different_prefix():
+    prompts = [[1] * 40, [2] * 40, [3] * 40]
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256), kv)
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=1, ignore_eos=True)))
+    out = sched.schedule()
+    assert len(out.scheduled) == 3  # all admitted in the first step

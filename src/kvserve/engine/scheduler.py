@@ -127,12 +127,19 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         cfg = self.config
+        # In-step prefix sharing (SGLang's in-batch prefix caching): a request whose next block is
+        # being computed this step by another request waits one step and then hits it, instead of
+        # computing the same KV twice (64 requests arriving with one uncached 1,024-token prefix:
+        # the second would otherwise recompute it beside the first).
+        pending = self._blocks_completed_by(out.scheduled) if self.kv.enable_caching else None
         for req in self._waiting_in_policy_order():
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
             if req.parent_id is not None and not self._parent_prompt_cached(req):
                 continue  # n > 1: wait for the first sequence's prompt to reach the cache
             hit = self.kv.get_computed_blocks(req)
+            if pending and self._next_block_pending(req, hit.num_tokens, pending):
+                continue
             n = req.num_tokens - hit.num_tokens
             if n > budget and not cfg.enable_chunked_prefill:
                 break
@@ -146,8 +153,24 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._entry(req, n))
+            if pending is not None:
+                pending |= self._blocks_completed_by(out.scheduled[-1:])
             budget -= n
         return budget
+
+    def _blocks_completed_by(self, entries: list[ScheduledRequest]) -> set[bytes]:
+        """Hashes of the prompt blocks these scheduled chunks fill (committed after the step)."""
+        bs = self.kv.block_size
+        done: set[bytes] = set()
+        for e in entries:
+            if e.num_new_tokens > 1:  # decodes fill blocks of generated text: not shareable yet
+                done.update(e.request.block_hashes[e.start_pos // bs:(e.start_pos + e.num_new_tokens) // bs])
+        return done
+
+    def _next_block_pending(self, req: Request, hit_tokens: int, pending: set[bytes]) -> bool:
+        bs = self.kv.block_size
+        i = hit_tokens // bs
+        return (i + 1) * bs < req.num_tokens and i < len(req.block_hashes) and req.block_hashes[i] in pending
 
     def _waiting_in_policy_order(self) -> list[Request]:
         cfg = self.config
