@@ -1,0 +1,138 @@
+"""Server mode vs offline: the same token-id workloads through `kvserve serve`'s HTTP API and
+through the offline `LLM` API, same engine settings, same run (issue 7: within 15 %).
+
+The server is a real `kvserve serve` subprocess on 127.0.0.1; all requests of a workload are sent
+at once (one HTTP connection each, non-streaming /v1/completions with `prompt` as token ids,
+greedy, `ignore_eos`), and the clock runs from the first send to the last response. The prefix
+cache is reset before every run on both sides, so cached-token counts compare too.
+
+    python bench/server_mode.py                       # random + shared, 64 requests, bf16
+    python bench/server_mode.py --workloads random --num-requests 16
+Prints a table and writes bench/results/server_mode.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from throughput import make_workloads, run_kvserve  # noqa: E402
+
+from kvserve import LLM  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, engine_flags: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           *engine_flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become healthy within 300 s")
+
+
+async def run_http(url: str, model: str, prompts: list[list[int]], out_len: int) -> dict:
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(1800), limits=limits) as client:
+        (await client.post("/reset_prefix_cache")).raise_for_status()
+
+        async def one(p: list[int]) -> dict:
+            r = await client.post("/v1/completions", json={
+                "model": model, "prompt": p, "max_tokens": out_len, "temperature": 0.0,
+                "ignore_eos": True})
+            r.raise_for_status()
+            return r.json()
+
+        t = time.perf_counter()
+        outs = await asyncio.gather(*(one(p) for p in prompts))
+        dt = time.perf_counter() - t
+    gen = sum(o["usage"]["completion_tokens"] for o in outs)
+    cached = sum(((o["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for o in outs)
+    return {"seconds": dt, "output_tokens": gen, "output_tok_per_s": gen / dt,
+            "cached_prompt_tokens": cached}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-memory", default="4GiB")
+    ap.add_argument("--workloads", default="random,shared")
+    ap.add_argument("--json", default=str(HERE / "results" / "server_mode.json"))
+    args = ap.parse_args(argv)
+
+    settings = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
+                    max_num_seqs=args.num_requests)
+    flags = ["--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048",
+             "--max-num-seqs", str(args.num_requests)]
+    workloads = make_workloads(args.num_requests, 49152)
+    names = args.workloads.split(",")
+    results: dict = {"settings": settings, "num_requests": args.num_requests, "workloads": {}}
+
+    llm = LLM(None, **settings)
+    run_kvserve(llm, workloads["random"][0][:4], 4)  # warm-up (allocator, kernels)
+    for name in names:
+        prompts, out_len = workloads[name]
+        results["workloads"][name] = {"offline": run_kvserve(llm, prompts, out_len)}
+    del llm
+
+    port = free_port()
+    proc = start_server(port, flags)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        asyncio.run(run_http(url, model, workloads["random"][0][:4], 4))  # warm-up
+        for name in names:
+            prompts, out_len = workloads[name]
+            results["workloads"][name]["server"] = asyncio.run(run_http(url, model, prompts, out_len))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    print(f"\nServer mode vs offline, {args.num_requests} requests, {args.dtype}, {os.cpu_count()} CPUs")
+    print(f"{'workload':<8} {'offline s':>10} {'offline tok/s':>14} {'server s':>9} {'server tok/s':>13} "
+          f"{'server/offline':>15} {'cached off/srv':>15}")
+    for name in names:
+        off, srv = results["workloads"][name]["offline"], results["workloads"][name]["server"]
+        ratio = srv["output_tok_per_s"] / off["output_tok_per_s"]
+        results["workloads"][name]["server_over_offline"] = ratio
+        print(f"{name:<8} {off['seconds']:>10.2f} {off['output_tok_per_s']:>14.1f} {srv['seconds']:>9.2f} "
+              f"{srv['output_tok_per_s']:>13.1f} {ratio:>14.2f}x "
+              f"{off['cached_prompt_tokens']:>7}/{srv['cached_prompt_tokens']:<7}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
