@@ -219,22 +219,45 @@ def test_selection_rules() -> None:
     chosen = select_attention_backend("triton", tiny_config(sliding_window=8), "cpu")
     assert isinstance(chosen, TritonAttentionBackend) and chosen.window == 8
     assert isinstance(select_attention_backend("auto", tiny_config(), "cpu"), TorchAttentionBackend)
-    with pytest.raises(ConfigError, match="--kv-cache-dtype int8"):
-        select_attention_backend("triton", tiny_config(), "cpu", kv_cache_dtype="int8")
     with pytest.raises(ConfigError, match="--attention-backend must be one of"):
         select_attention_backend("flash", tiny_config(), "cpu")
 
 
-def test_quantized_cache_rejected() -> None:
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8", "int4"])
+def test_quantized_cache_matches_torch_backend(kv_dtype: str) -> None:
+    """Quantized caches: both backends write through the cache (same codes) and read the same
+    dequantized values - the torch backend by gathering, triton through its step-sized scratch
+    pool and renumbered block tables - so outputs agree to float32 accumulation order (1e-5).
+    Decodes and chunked prefills over scattered blocks, open (residual) blocks included."""
     from kvserve.model.kv_cache import create_kv_cache
 
-    cfg = tiny_config()
-    cache = create_kv_cache(cfg, num_blocks=4, block_size=16, kv_cache_dtype="int8")
-    backend = TritonAttentionBackend(4, 2, 8, 8 ** -0.5, device="cpu")
-    meta = build_attention_metadata([0], [2], [[1]], 16)
-    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
-    with pytest.raises(ConfigError, match="--attention-backend torch"):
-        backend.forward(0, q, k, k, cache, meta)
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=512)
+    bs, gen = 16, torch.Generator().manual_seed(0)
+    start_pos, query_lens = [40, 0, 17, 70], [1, 20, 9, 1]
+    seq_lens = [s + n for s, n in zip(start_pos, query_lens)]
+    ids = list(range(sum(-(-n // bs) for n in seq_lens) + 3))
+    random.Random(0).shuffle(ids)
+    tables, at = [], 0
+    for n in seq_lens:
+        tables.append(ids[at:at + -(-n // bs)])
+        at += -(-n // bs)
+    caches = [create_kv_cache(cfg, num_blocks=len(ids), block_size=bs, kv_cache_dtype=kv_dtype,
+                              dtype=torch.float32, num_residual_blocks=8) for _ in range(2)]
+    for i, s in enumerate(start_pos):  # history, written identically into both caches
+        if s:
+            slots = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(s)])
+            kh, vh = (torch.randn(s, 2, 32, generator=gen) for _ in range(2))
+            for c in caches:
+                c.write(1, slots, kh, vh)
+    meta = build_attention_metadata(start_pos, query_lens, tables, bs)
+    q = torch.randn(meta.num_tokens, 4, 32, generator=gen)
+    k, v = (torch.randn(meta.num_tokens, 2, 32, generator=gen) for _ in range(2))
+    got = TritonAttentionBackend(4, 2, 32, 32 ** -0.5, device="cpu").forward(1, q, k, v, caches[0], meta)
+    want = TorchAttentionBackend(4, 2, 32, 32 ** -0.5).forward(
+        1, q, k, v, caches[1], build_attention_metadata(start_pos, query_lens, tables, bs))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # -- end to end: the tiny model generates greedily with either backend --

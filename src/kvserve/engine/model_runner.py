@@ -33,7 +33,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.model = LlamaModel(model_config, weights, dtype, self.device, attention_backend=select_attention_backend(
-            attention_backend, model_config, self.device, kv_cache_dtype))
+            attention_backend, model_config, self.device))
         self.kv_cache = create_kv_cache(model_config, num_blocks=num_blocks, block_size=block_size,
                                         kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=self.device,
                                         **(kv_cache_options or {}))

@@ -9,7 +9,13 @@ query at `qp` only when `0 <= qp - kp < window`.
 This module imports without triton and without CUDA; `triton_support(device)` says whether the
 backend can run and, if not, what to change. On CPU the kernels run only under triton's
 interpreter (`TRITON_INTERPRET=1`, set before triton is imported): slow, meant for testing.
-The backend reads full-precision pools only (`PagedKVCache`, `--kv-cache-dtype auto`).
+
+Quantized caches (fp8 / int8 / int4): the cache's own write quantizes (and keeps the KIVI
+residual), then the blocks this step reads - and only those - are dequantized once per layer
+into a step-sized scratch pool that the same kernels walk through remapped block tables. No
+full-precision copy of the cache exists; the cost is one dequantized copy of the step's working
+set per layer (what the torch backend's gather also pays). A kernel that dequantizes inside its
+K/V loads would save that copy; it needs a GPU to measure and is not built yet.
 """
 from __future__ import annotations
 
@@ -93,6 +99,14 @@ class _StepPlan:
     query_start_loc: torch.Tensor  # [S+1]
 
 
+@dataclass
+class _WorkingSet:  # a quantized cache's blocks read by one step (see _dequantized_pools)
+    block_ids: torch.Tensor  # [n] sorted unique block ids the step's sequences cover
+    block_tables: torch.Tensor  # the step's tables renumbered into 0 .. n-1
+    fresh_rows: torch.Tensor  # token rows of chunks that start their sequence
+    fresh_slots: torch.Tensor  # their slots in the scratch pools
+
+
 class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -124,19 +138,57 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        k_pool, v_pool = self._pools(kv_cache, layer)
-        self.write_kv(k, v, k_pool, v_pool, meta.slot_mapping)
+        if isinstance(kv_cache, PagedKVCache):
+            k_pool, v_pool = self._pools(kv_cache, layer)
+            self.write_kv(k, v, k_pool, v_pool, meta.slot_mapping)
+            block_tables = meta.block_tables
+        else:
+            kv_cache.write(layer, meta.slot_mapping, k, v)
+            k_pool, v_pool, block_tables = self._dequantized_pools(kv_cache, layer, meta, k, v)
         out = torch.empty_like(q)
         plan = self._plan(meta)
         if q.dtype != k_pool.dtype:  # tl.dot wants matching operand types
             q = q.to(k_pool.dtype)
         if plan.num_decodes:
-            self.decode(out, q, k_pool, v_pool, meta.block_tables, meta.seq_lens_tensor,
+            self.decode(out, q, k_pool, v_pool, block_tables, meta.seq_lens_tensor,
                         plan.decode_seq_ids, plan.decode_token_rows)
         if plan.num_prefills:
-            self.prefill(out, q, k_pool, v_pool, meta.block_tables, meta.seq_lens_tensor,
+            self.prefill(out, q, k_pool, v_pool, block_tables, meta.seq_lens_tensor,
                          plan.query_start_loc, plan.prefill_seq_ids, plan.max_prefill_len)
         return out
+
+    def _dequantized_pools(self, kv_cache: KVCache, layer: int, meta: AttentionMetadata,
+                           k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_pool, v_pool, block_tables): the step's blocks of one layer dequantized into
+        `[n, block_size, H, D]` scratch pools, and the block tables renumbered into them."""
+        ws = self._working_set(meta)
+        k_all, v_all = kv_cache.gather(layer, ws.block_ids)
+        if ws.fresh_rows.numel():
+            k_all[ws.fresh_slots] = k[ws.fresh_rows].to(k_all.dtype)
+            v_all[ws.fresh_slots] = v[ws.fresh_rows].to(v_all.dtype)
+        shape = (ws.block_ids.numel(), meta.block_size, self.num_kv_heads, self.head_dim)
+        return k_all.view(shape), v_all.view(shape), ws.block_tables
+
+    @staticmethod
+    def _working_set(meta: AttentionMetadata) -> _WorkingSet:
+        key = "triton_working_set"  # the same for every layer: planned once per step
+        if key not in meta.backend_state:
+            bs = meta.block_size
+            used = torch.arange(meta.block_tables.shape[1], device=meta.block_tables.device)[None, :] \
+                < (meta.seq_lens_tensor[:, None] + bs - 1) // bs
+            ids = torch.unique(meta.block_tables[used])
+            # Unused table entries (padding) point at scratch block 0: never read past seq_lens.
+            tables = torch.where(used, torch.searchsorted(ids, meta.block_tables).clamp_(max=ids.numel() - 1), 0)
+            # A chunk that starts its sequence attends to its own K/V as computed, not as stored
+            # (as the torch backend does): those rows go into the scratch unquantized.
+            rows = [torch.arange(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+                    for i in range(meta.num_seqs) if meta.start_pos[i] == 0]
+            rows = torch.cat(rows).to(meta.slot_mapping.device) if rows else \
+                torch.empty(0, dtype=torch.long, device=meta.slot_mapping.device)
+            slots = meta.slot_mapping[rows]
+            meta.backend_state[key] = _WorkingSet(ids, tables, rows,
+                                                  torch.searchsorted(ids, slots // bs) * bs + slots % bs)
+        return meta.backend_state[key]
 
     # -- kernel launches (public so the tests drive each kernel on its own) --
 
@@ -186,11 +238,7 @@ class TritonAttentionBackend(AttentionBackend):
         return dict(PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                     DOT_FP32=self.mode == "interpreter" and q.dtype == torch.bfloat16)
 
-    def _pools(self, kv_cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(kv_cache, PagedKVCache):
-            raise ConfigError(f"the triton attention backend reads full-precision KV pools "
-                              f"(--kv-cache-dtype auto), not {type(kv_cache).__name__}; use "
-                              f"--attention-backend torch with a quantized KV cache")
+    def _pools(self, kv_cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if kv_cache.dtype not in SUPPORTED_DTYPES:
             raise ConfigError(f"the triton attention backend supports float32/float16/bfloat16 "
                               f"KV, got {kv_cache.dtype}; use --attention-backend torch")
@@ -216,10 +264,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def select_attention_backend(name: str, model_config: ModelConfig, device: torch.device | str,
-                             kv_cache_dtype: str = "auto") -> AttentionBackend:
+def select_attention_backend(name: str, model_config: ModelConfig, device: torch.device | str
+                             ) -> AttentionBackend:
     """`--attention-backend` -> backend instance. "auto": triton on a CUDA device when triton is
-    installed and the KV cache is full precision, torch otherwise."""
+    installed, torch otherwise."""
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} "
                           f"(got {name!r})")
@@ -227,12 +275,8 @@ def select_attention_backend(name: str, model_config: ModelConfig, device: torch
     args = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim ** -0.5)
     if name == "auto":
         dev = torch.device(device)
-        use_triton = (dev.type == "cuda" and kv_cache_dtype == "auto"
-                      and triton_support(dev).mode == "cuda")
+        use_triton = dev.type == "cuda" and triton_support(dev).mode == "cuda"
         name = "triton" if use_triton else "torch"
     if name == "torch":
         return TorchAttentionBackend(*args, sliding_window=c.sliding_window)
-    if kv_cache_dtype != "auto":
-        raise ConfigError(f"--attention-backend triton reads full-precision KV only; with "
-                          f"--kv-cache-dtype {kv_cache_dtype} use --attention-backend torch or auto")
     return TritonAttentionBackend(*args, sliding_window=c.sliding_window, device=device)
