@@ -61,6 +61,26 @@ def test_fp8_round_trip_bound(kind, outliers, dims):
     assert float(q.data.float().abs().max()) == quant.fp8_max(kind)
 
 
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_centered_bound_and_offset_channels(kind):
+    """Centered: the format's bound applies to x minus the stored mean, so a channel sitting at a
+    large offset (LLM keys) keeps its token-to-token variation instead of rounding it away."""
+    x = samples(11, (16, 4, 64))
+    x[..., 3] += 80.0  # an outlier channel: offset 80, variation ~1
+    x[..., 7] -= 1000.0  # beyond e4m3's 448: the stored mean clamps and centering is partial
+    q = quant.quantize_fp8(x, kind, reduce_dims=(0, 1, 2), center_dims=(0,))
+    assert q.mean.dtype == quant.FP8_MEAN_DTYPE and q.mean.shape == (1, 4, 64)
+    y = quant.dequantize_fp8(q)
+    assert fp8_ok(x - q.mean.float(), y - q.mean.float(), kind, q.scale.expand_as(x))
+    assert bool(torch.isfinite(y).all())
+    plain = quant.dequantize_fp8(quant.quantize_fp8(x, kind, reduce_dims=(0, 1, 2)))
+    rel = FP8_BOUNDS[kind][0]
+    spread = (x[..., 3] - x[..., 3].mean(0)).abs().max()
+    # Residual offset after the mean's own e4m3 rounding is <= 2^-4 * 80 = 5: bound 2^-4 * (spread + 5).
+    assert (y[..., 3] - x[..., 3]).abs().max() <= rel * (spread + 80 * 2.0 ** -4) * (1 + 1e-6)
+    assert (y[..., 3] - x[..., 3]).abs().max() < 0.5 * (plain[..., 3] - x[..., 3]).abs().max()
+
+
 def test_fp8_static_scale_saturates_instead_of_nan():
     x = torch.tensor([1.0, -1000.0, 1000.0, 0.0])
     q = quant.quantize_fp8(x, "fp8_e4m3", scale=1.0)
@@ -117,8 +137,17 @@ def test_bytes_per_block_match_allocation_and_ratios():
     bf16 = kv_cache_bytes_per_block(SMOL, 16, "auto", torch.bfloat16)
     ratio = {dt: (f32 / kv_cache_bytes_per_block(SMOL, 16, dt, torch.float32),
                   bf16 / kv_cache_bytes_per_block(SMOL, 16, dt, torch.bfloat16)) for dt in QUANT_DTYPES}
-    # fp8: one byte per element + two float32 scales per block and layer.
-    assert 3.98 < ratio["fp8"][0] < 4.0 and 1.99 < ratio["fp8"][1] < 2.0
+    # fp8: one byte per element, two float32 scales per block, layer and kv head, and one e4m3
+    # key mean per channel per block (centering): 2 + 1/16 bytes per K/V element pair at block 16.
+    assert ratio["fp8"][1] == pytest.approx(4 / (2 + 1 / 16 + 8 / (16 * 64)))
+    assert 1.93 < ratio["fp8"][1] < 1.94 and 3.86 < ratio["fp8"][0] < 3.87
+    plain = Fp8PagedKVCache(TINY, num_blocks=2, block_size=16, dtype=torch.float32, center_keys=False,
+                            scale_granularity="tensor")
+    assert plain.block_bytes == 2 * quant.bytes_per_block_per_layer("fp8", 2, 16, 16)
+    assert 2 * 4 * (2 - 1) == quant.bytes_per_block_per_layer("fp8", 2, 16, 16, fp8_scale_granularity="head") \
+        - quant.bytes_per_block_per_layer("fp8", 2, 16, 16)
+    assert quant.bytes_per_block_per_layer("fp8", 3, 64, 16, fp8_center_keys=True) == \
+        quant.bytes_per_block_per_layer("fp8", 3, 64, 16) + 3 * 64
     # int8 at group 32, block 16: keys 8 bits + fp16 scale and zero per 16 tokens (2 bits),
     # values 8 bits + the same per 32 channels (1 bit): 9.5 bits on average.
     assert ratio["int8"][1] == pytest.approx(16 / 9.5)
@@ -128,7 +157,7 @@ def test_bytes_per_block_match_allocation_and_ratios():
     assert quant.bytes_per_token_per_layer("int4", 3, 64, 64, 64) * 8 / (3 * 64 * 2) == pytest.approx(4.5)
     # Same budget -> proportionally more blocks.
     budget = 1 << 30
-    assert budget // kv_cache_bytes_per_block(SMOL, 16, "fp8", torch.bfloat16) >= 1.99 * (budget // bf16)
+    assert budget // kv_cache_bytes_per_block(SMOL, 16, "fp8", torch.bfloat16) >= 1.93 * (budget // bf16)
     assert QuantizedKVCache.residual_bytes(SMOL, 16, "int4", torch.float32, 8) == \
         8 * 30 * (2 * 16 * 3 * 64 * 4 + 16)
 
@@ -150,7 +179,9 @@ def reference_block(cache, k_blk, v_blk):
     """What a sealed block must dequantize to: the quantizer applied to the whole block."""
     if isinstance(cache, Fp8PagedKVCache):
         dims = (1, 3) if cache.scale_granularity == "head" else (1, 2, 3)
-        return [quant.dequantize_fp8(quant.quantize_fp8(x, cache.kind, reduce_dims=dims)) for x in (k_blk, v_blk)]
+        centers = ((1,) if cache.center_keys else None, None)  # keys over the block's tokens
+        return [quant.dequantize_fp8(quant.quantize_fp8(x, cache.kind, reduce_dims=dims, center_dims=c))
+                for x, c in zip((k_blk, v_blk), centers)]
     g = cache.groups
     return [quant.dequantize_groups(quant.quantize_groups(k_blk, cache.bits, g.key_tokens, 1)),
             quant.dequantize_groups(quant.quantize_groups(v_blk, cache.bits, g.value_channels, 3))]

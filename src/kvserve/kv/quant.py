@@ -8,6 +8,8 @@ Formats and the error each admits (the tests check exactly these bounds):
   fp8_e4m3  3 mantissa bits: |x - x'| <= 2^-4 |x| for scaled values in the normal range
             [2^-6, 448], <= 2^-10 * scale below it (half the subnormal step 2^-9).
   fp8_e5m2  2 mantissa bits: <= 2^-3 |x| in [2^-14, 57344], <= 2^-17 * scale below.
+            Centered (`center_dims`): the same bounds hold for x - mean, where mean is the mean over
+            center_dims as stored beside the codes (e4m3, unscaled); x' = data * scale + mean.
   int8/int4 asymmetric: x' = q * scale + zero, q in [0, 2^bits - 1]; |x - x'| <= scale / 2, where
             scale = (max - min) / (2^bits - 1) of the group. Scale and zero are stored in float16
             rounded *outward* (zero down, scale up) so the group's [min, max] always stays inside
@@ -33,6 +35,12 @@ FULL_PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GROUP_META_DTYPE = torch.float16
 GROUP_META_BYTES = 2
 FP8_SCALE_BYTES = 4  # fp8 scales are float32: a few per block, precision is free there
+# Key centering means are stored in e4m3 themselves (1 byte per channel per block): the codes
+# encode x minus the *stored* mean, so its rounding adds no error of its own; it only leaves up to
+# 2^-4 |mean| of offset in what is quantized, 16x less than without centering. Measured the same
+# as float16 means (bench/NOTES.md) for half the bytes.
+FP8_MEAN_DTYPE = torch.float8_e4m3fn
+FP8_MEAN_BYTES = 1
 
 
 class QuantError(ValueError):
@@ -52,7 +60,8 @@ def canonical_kind(kind: str) -> str:
 
 class Fp8Quantized(NamedTuple):
     data: torch.Tensor  # float8 tensor, same shape as the input
-    scale: torch.Tensor  # float32, broadcastable against `data` (x ~= data * scale)
+    scale: torch.Tensor  # float32, broadcastable against `data` (x ~= data * scale + mean)
+    mean: torch.Tensor | None = None  # per-channel offset subtracted before the cast (centered)
 
 
 def fp8_max(kind: str) -> float:
@@ -68,12 +77,25 @@ def fp8_dynamic_scale(x: torch.Tensor, kind: str, reduce_dims: tuple[int, ...]) 
 
 
 def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | float | None = None,
-                 reduce_dims: tuple[int, ...] | None = None) -> Fp8Quantized:
+                 reduce_dims: tuple[int, ...] | None = None,
+                 center_dims: tuple[int, ...] | None = None) -> Fp8Quantized:
     """x -> float8 with `scale` (static, e.g. a checkpoint's k_scale) or a dynamic one computed
-    over `reduce_dims` (default: all dims = one per-tensor scale)."""
+    over `reduce_dims` (default: all dims = one per-tensor scale).
+
+    `center_dims`: first subtract the mean over these dims (kept, as FP8_MEAN_DTYPE, in the result).
+    fp8's error is relative to the value, so a channel that sits at a large offset (LLM keys
+    have such outlier channels) loses its small token-to-token variation - which is all that
+    attention scores see - to rounding of the offset. Centered, only the variation is rounded."""
     kind = canonical_kind(kind)
     if kind not in FP8_DTYPES:
         raise QuantError(f"quantize_fp8 needs fp8_e4m3 or fp8_e5m2, got {kind!r}")
+    mean = None
+    if center_dims is not None:
+        mean_max = float(torch.finfo(FP8_MEAN_DTYPE).max)
+        # Clamped: e4m3fn has no infinity. A clamped mean still centers, only less.
+        mean = x.detach().float().mean(dim=center_dims, keepdim=True).clamp(-mean_max, mean_max)
+        mean = mean.to(FP8_MEAN_DTYPE)
+        x = x.float() - mean.float()
     if scale is None:
         dims = tuple(range(x.dim())) if reduce_dims is None else reduce_dims
         scale_t = fp8_dynamic_scale(x, kind, dims)
@@ -84,11 +106,12 @@ def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | 
     fmax = fp8_max(kind)
     # Clamp before the cast: e4m3fn has no infinity, an out-of-range cast is NaN on some backends.
     scaled = (x.float() / scale_t).clamp(-fmax, fmax)
-    return Fp8Quantized(scaled.to(FP8_DTYPES[kind]), scale_t)
+    return Fp8Quantized(scaled.to(FP8_DTYPES[kind]), scale_t, mean)
 
 
 def dequantize_fp8(q: Fp8Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.data.float() * q.scale).to(dtype)
+    x = q.data.float() * q.scale
+    return (x if q.mean is None else x + q.mean.float()).to(dtype)
 
 
 # ------------------------------------------------------------------------- int8 / int4 groups
@@ -209,15 +232,18 @@ def effective_group_sizes(group_size: int, block_size: int, head_dim: int) -> KV
 
 
 def bytes_per_block_per_layer(kind: str, num_kv_heads: int, head_dim: int, block_size: int,
-                              group_size: int = 64, fp8_scale_granularity: str = "tensor") -> int:
-    """Exact bytes one block of one layer holds for K and V, scales and zero points included."""
+                              group_size: int = 64, fp8_scale_granularity: str = "tensor",
+                              fp8_center_keys: bool = False) -> int:
+    """Exact bytes one block of one layer holds for K and V, scales, zero points and key means
+    included."""
     kind = canonical_kind(kind)
     elems = block_size * num_kv_heads * head_dim
     if kind in FULL_PRECISION_BYTES:
         return 2 * elems * FULL_PRECISION_BYTES[kind]
     if kind in FP8_DTYPES:
         scales_per_block = num_kv_heads if fp8_scale_granularity == "head" else 1
-        return 2 * (elems + scales_per_block * FP8_SCALE_BYTES)
+        key_means = num_kv_heads * head_dim * FP8_MEAN_BYTES if fp8_center_keys else 0
+        return 2 * (elems + scales_per_block * FP8_SCALE_BYTES) + key_means
     bits = INT_BITS[kind]
     if bits == 4 and head_dim % 2:
         raise QuantError(f"int4 KV packs two values per byte along head_dim; head_dim {head_dim} is odd")
@@ -229,7 +255,8 @@ def bytes_per_block_per_layer(kind: str, num_kv_heads: int, head_dim: int, block
 
 
 def bytes_per_token_per_layer(kind: str, num_kv_heads: int, head_dim: int, block_size: int = 16,
-                              group_size: int = 64, fp8_scale_granularity: str = "tensor") -> float:
+                              group_size: int = 64, fp8_scale_granularity: str = "tensor",
+                              fp8_center_keys: bool = False) -> float:
     """K+V bytes per token per layer, with per-block metadata amortized over the block's tokens."""
     return bytes_per_block_per_layer(kind, num_kv_heads, head_dim, block_size, group_size,
-                                     fp8_scale_granularity) / block_size
+                                     fp8_scale_granularity, fp8_center_keys) / block_size
