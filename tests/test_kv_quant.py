@@ -106,6 +106,43 @@ def test_int_group_round_trip_bound(bits, outliers, axis, group):
     assert torch.allclose(q.scale.float(), rng / (2 ** bits - 1), rtol=2e-3)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])  # exponents below, at and above e4m3's range
+@pytest.mark.parametrize("axis,group", [(0, 16), (2, 64)])
+def test_int4_compact_round_trip_bound(symmetric, magnitude, axis, group):
+    """Compact: e4m3 scale (and zero) rounded outward in the 2^-e scaled domain, so the stored
+    scale still covers the group and the error is <= scale * 2^e / 2."""
+    x = samples(12, outliers=True) * magnitude
+    q = quant.quantize_groups(x, 4, group, axis, compact=True, symmetric=symmetric, exponent_dims=(1, 2))
+    assert q.scale.dtype == quant.COMPACT_META_DTYPE and q.exponent.shape == (x.shape[0], 1, 1)
+    assert (q.zero is None) == symmetric
+    y = quant.dequantize_groups(q)
+    step = q.scale.float().repeat_interleave(group, dim=axis) * torch.exp2(q.exponent.float())
+    assert bool(((x - y).abs() <= step / 2 * (1 + 1e-6)).all())
+    # Not much coarser than needed: outward rounding moves the zero down by at most one e4m3 ulp
+    # (<= 2^-3 |min|, or 2^-9 among subnormals) and the scale up by at most one more, all in the
+    # 2^-e scaled domain.
+    p2 = torch.exp2(q.exponent.float())
+    grouped = (x / p2).unflatten(axis, (x.shape[axis] // group, group))
+    mn, mx = grouped.amin(axis + 1), grouped.amax(axis + 1)
+    need = (torch.maximum(mx, -mn) / 7 if symmetric
+            else (mx - mn + mn.abs() / 8 + 2.0 ** -9) / 15)
+    most = (need * (1 + 2.0 ** -3) + 2.0 ** -9).repeat_interleave(group, dim=axis) * p2
+    assert bool((step <= most * (1 + 1e-6)).all())
+
+
+def test_fp8_round_outward_is_the_nearest_e4m3_on_the_right_side():
+    all_codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = all_codes[torch.isfinite(all_codes)].unique()  # sorted, every e4m3 value once
+    t = torch.cat([torch.randn(4000) * 30, torch.randn(1000) * 1e-3, grid, torch.tensor([0.0, -0.0, 448.0])])
+    up, down = quant.fp8_round_outward(t, True).float(), quant.fp8_round_outward(t, False).float()
+    assert bool((up >= t).all()) and bool((down <= t).all())
+    # Nearest: no grid value lies strictly between t and the result.
+    idx_up = torch.searchsorted(grid, t, side="left")  # first grid value >= t
+    idx_down = torch.searchsorted(grid, t, side="right") - 1  # last grid value <= t
+    assert torch.equal(up, grid[idx_up]) and torch.equal(down, grid[idx_down])
+
+
 def test_int_constant_group_is_exact_and_int4_packing_round_trips():
     x = torch.full((4, 2, 8), 0.37)
     for bits in (4, 8):
@@ -151,9 +188,17 @@ def test_bytes_per_block_match_allocation_and_ratios():
     # int8 at group 32, block 16: keys 8 bits + fp16 scale and zero per 16 tokens (2 bits),
     # values 8 bits + the same per 32 channels (1 bit): 9.5 bits on average.
     assert ratio["int8"][1] == pytest.approx(16 / 9.5)
-    # int4: (4 + 2 + 4 + 1) / 2 = 5.5 bits; larger blocks amortize the key metadata.
-    assert ratio["int4"][1] == pytest.approx(16 / 5.5)
-    assert ratio["int4"][0] == pytest.approx(32 / 5.5)
+    # int4 (compact), per layer and block: codes (4 bits, K and V), keys an e4m3 scale and zero
+    # per channel per 16 tokens, values one e4m3 scale per token and head (group 64 = head_dim),
+    # two int8 exponents: 3506 bytes against bfloat16's 12288 (3.50x).
+    assert kv_cache_bytes_per_block(SMOL, 16, "int4", torch.bfloat16) == 30 * (16 * 3 * 64 + 3 * 64 * 2 + 16 * 3 + 2)
+    assert ratio["int4"][1] >= 3.5 and ratio["int4"][0] >= 7.0
+    # Block 64: the key metadata is amortized over 64 tokens (3.82x).
+    assert kv_cache_bytes_per_block(SMOL, 64, "int4", torch.bfloat16) == 30 * (64 * 3 * 64 + 3 * 64 * 2 + 64 * 3 + 2)
+    # The float16-metadata format: (4 + 2 + 4 + 2) / 2 = 6 bits (TINY's head_dim 16 clips group 32).
+    old = IntPagedKVCache(TINY, num_blocks=2, block_size=16, dtype=torch.float32, group_size=32, compact=False)
+    assert old.block_bytes * 8 / (16 * 2 * 2 * 16 * 2) == pytest.approx(6)
+    assert old.block_bytes == 2 * quant.bytes_per_block_per_layer("int4", 2, 16, 16, 32)
     assert quant.bytes_per_token_per_layer("int4", 3, 64, 64, 64) * 8 / (3 * 64 * 2) == pytest.approx(4.5)
     # Same budget -> proportionally more blocks.
     budget = 1 << 30
@@ -182,9 +227,11 @@ def reference_block(cache, k_blk, v_blk):
         centers = ((1,) if cache.center_keys else None, None)  # keys over the block's tokens
         return [quant.dequantize_fp8(quant.quantize_fp8(x, cache.kind, reduce_dims=dims, center_dims=c))
                 for x, c in zip((k_blk, v_blk), centers)]
-    g = cache.groups
-    return [quant.dequantize_groups(quant.quantize_groups(k_blk, cache.bits, g.key_tokens, 1)),
-            quant.dequantize_groups(quant.quantize_groups(v_blk, cache.bits, g.value_channels, 3))]
+    g, fmt = cache.groups, dict(compact=cache.compact, exponent_dims=(1, 2, 3))
+    return [quant.dequantize_groups(quant.quantize_groups(k_blk, cache.bits, g.key_tokens, 1,
+                                                          symmetric=cache.symmetric["k"], **fmt)),
+            quant.dequantize_groups(quant.quantize_groups(v_blk, cache.bits, g.value_channels, 3,
+                                                          symmetric=cache.symmetric["v"], **fmt))]
 
 
 @pytest.mark.parametrize("dt", QUANT_DTYPES)
@@ -244,8 +291,10 @@ def test_int_without_residual_quantizes_each_token_when_written(dt):
     write_seq(c, [5, 0], k, v, [3, 1, 7])
     gk, gv = c.gather(0, torch.tensor([5, 0]))
     bits, g = quant.INT_BITS[dt], c.groups.value_channels
-    for got, x in ((gk, k), (gv, v)):  # keys per token too: each token is final when written
-        assert torch.equal(got[:11], quant.dequantize_groups(quant.quantize_groups(x, bits, g, 2)))
+    for got, x, name in ((gk, k, "k"), (gv, v, "v")):  # keys per token too: final when written
+        ref = quant.quantize_groups(x, bits, g, 2, compact=c.compact, symmetric=c.symmetric[name],
+                                    exponent_dims=(1, 2))
+        assert torch.equal(got[:11], quant.dequantize_groups(ref))
     c.copy_blocks([BlockCopy(0, 3, 2)])
     g3, _ = c.gather(0, torch.tensor([3]))
     assert torch.equal(g3[:2], gk[8:10])
