@@ -70,14 +70,15 @@ class Variant:
 
 VARIANTS = [
     Variant("auto (float32)", "auto"),
-    Variant("fp8_e4m3", "fp8_e4m3"),
-    Variant("fp8_e4m3 per-head", "fp8_e4m3", {"scale_granularity": "head"}),
+    Variant("fp8_e4m3", "fp8_e4m3"),  # centered keys, per-head scales (the default)
+    Variant("fp8_e4m3 uncentered", "fp8_e4m3", {"center_keys": False}),
+    Variant("fp8_e4m3 per-block", "fp8_e4m3", {"center_keys": False, "scale_granularity": "tensor"}),
     Variant("fp8_e5m2", "fp8_e5m2"),
-    Variant("int8 g32", "int8", {"group_size": 32}),
-    Variant("int4 g32", "int4", {"group_size": 32}),
-    Variant("int4 g64", "int4", {"group_size": 64}),
-    Variant("int4 g32 no-residual", "int4", {"group_size": 32, "residual": False}),
-    Variant("int8 g32 no-residual", "int8", {"group_size": 32, "residual": False}),
+    Variant("int8 g32", "int8"),  # float16 scales/zeros, groups of 32 (the default)
+    Variant("int4", "int4"),  # compact: e4m3 scales/zeros, symmetric value groups of 64 (the default)
+    Variant("int4 fp16-meta g32", "int4", {"group_size": 32, "compact": False}),
+    Variant("int4 no-residual", "int4", {"residual": False}),
+    Variant("int8 g32 no-residual", "int8", {"residual": False}),
 ]
 
 

@@ -61,6 +61,26 @@ def test_fp8_round_trip_bound(kind, outliers, dims):
     assert float(q.data.float().abs().max()) == quant.fp8_max(kind)
 
 
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_centered_bound_and_offset_channels(kind):
+    """Centered: the format's bound applies to x minus the stored mean, so a channel sitting at a
+    large offset (LLM keys) keeps its token-to-token variation instead of rounding it away."""
+    x = samples(11, (16, 4, 64))
+    x[..., 3] += 80.0  # an outlier channel: offset 80, variation ~1
+    x[..., 7] -= 1000.0  # beyond e4m3's 448: the stored mean clamps and centering is partial
+    q = quant.quantize_fp8(x, kind, reduce_dims=(0, 1, 2), center_dims=(0,))
+    assert q.mean.dtype == quant.FP8_MEAN_DTYPE and q.mean.shape == (1, 4, 64)
+    y = quant.dequantize_fp8(q)
+    assert fp8_ok(x - q.mean.float(), y - q.mean.float(), kind, q.scale.expand_as(x))
+    assert bool(torch.isfinite(y).all())
+    plain = quant.dequantize_fp8(quant.quantize_fp8(x, kind, reduce_dims=(0, 1, 2)))
+    rel = FP8_BOUNDS[kind][0]
+    spread = (x[..., 3] - x[..., 3].mean(0)).abs().max()
+    # Residual offset after the mean's own e4m3 rounding is <= 2^-4 * 80 = 5: bound 2^-4 * (spread + 5).
+    assert (y[..., 3] - x[..., 3]).abs().max() <= rel * (spread + 80 * 2.0 ** -4) * (1 + 1e-6)
+    assert (y[..., 3] - x[..., 3]).abs().max() < 0.5 * (plain[..., 3] - x[..., 3]).abs().max()
+
+
 def test_fp8_static_scale_saturates_instead_of_nan():
     x = torch.tensor([1.0, -1000.0, 1000.0, 0.0])
     q = quant.quantize_fp8(x, "fp8_e4m3", scale=1.0)
@@ -84,6 +104,43 @@ def test_int_group_round_trip_bound(bits, outliers, axis, group):
     grouped = x.unflatten(axis, (x.shape[axis] // group, group))
     rng = grouped.amax(axis + 1) - grouped.amin(axis + 1)
     assert torch.allclose(q.scale.float(), rng / (2 ** bits - 1), rtol=2e-3)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])  # exponents below, at and above e4m3's range
+@pytest.mark.parametrize("axis,group", [(0, 16), (2, 64)])
+def test_int4_compact_round_trip_bound(symmetric, magnitude, axis, group):
+    """Compact: e4m3 scale (and zero) rounded outward in the 2^-e scaled domain, so the stored
+    scale still covers the group and the error is <= scale * 2^e / 2."""
+    x = samples(12, outliers=True) * magnitude
+    q = quant.quantize_groups(x, 4, group, axis, compact=True, symmetric=symmetric, exponent_dims=(1, 2))
+    assert q.scale.dtype == quant.COMPACT_META_DTYPE and q.exponent.shape == (x.shape[0], 1, 1)
+    assert (q.zero is None) == symmetric
+    y = quant.dequantize_groups(q)
+    step = q.scale.float().repeat_interleave(group, dim=axis) * torch.exp2(q.exponent.float())
+    assert bool(((x - y).abs() <= step / 2 * (1 + 1e-6)).all())
+    # Not much coarser than needed: outward rounding moves the zero down by at most one e4m3 ulp
+    # (<= 2^-3 |min|, or 2^-9 among subnormals) and the scale up by at most one more, all in the
+    # 2^-e scaled domain.
+    p2 = torch.exp2(q.exponent.float())
+    grouped = (x / p2).unflatten(axis, (x.shape[axis] // group, group))
+    mn, mx = grouped.amin(axis + 1), grouped.amax(axis + 1)
+    need = (torch.maximum(mx, -mn) / 7 if symmetric
+            else (mx - mn + mn.abs() / 8 + 2.0 ** -9) / 15)
+    most = (need * (1 + 2.0 ** -3) + 2.0 ** -9).repeat_interleave(group, dim=axis) * p2
+    assert bool((step <= most * (1 + 1e-6)).all())
+
+
+def test_fp8_round_outward_is_the_nearest_e4m3_on_the_right_side():
+    all_codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = all_codes[torch.isfinite(all_codes)].unique()  # sorted, every e4m3 value once
+    t = torch.cat([torch.randn(4000) * 30, torch.randn(1000) * 1e-3, grid, torch.tensor([0.0, -0.0, 448.0])])
+    up, down = quant.fp8_round_outward(t, True).float(), quant.fp8_round_outward(t, False).float()
+    assert bool((up >= t).all()) and bool((down <= t).all())
+    # Nearest: no grid value lies strictly between t and the result.
+    idx_up = torch.searchsorted(grid, t, side="left")  # first grid value >= t
+    idx_down = torch.searchsorted(grid, t, side="right") - 1  # last grid value <= t
+    assert torch.equal(up, grid[idx_up]) and torch.equal(down, grid[idx_down])
 
 
 def test_int_constant_group_is_exact_and_int4_packing_round_trips():
@@ -117,18 +174,35 @@ def test_bytes_per_block_match_allocation_and_ratios():
     bf16 = kv_cache_bytes_per_block(SMOL, 16, "auto", torch.bfloat16)
     ratio = {dt: (f32 / kv_cache_bytes_per_block(SMOL, 16, dt, torch.float32),
                   bf16 / kv_cache_bytes_per_block(SMOL, 16, dt, torch.bfloat16)) for dt in QUANT_DTYPES}
-    # fp8: one byte per element + two float32 scales per block and layer.
-    assert 3.98 < ratio["fp8"][0] < 4.0 and 1.99 < ratio["fp8"][1] < 2.0
+    # fp8: one byte per element, two float32 scales per block, layer and kv head, and one e4m3
+    # key mean per channel per block (centering): 2 + 1/16 bytes per K/V element pair at block 16.
+    assert ratio["fp8"][1] == pytest.approx(4 / (2 + 1 / 16 + 8 / (16 * 64)))
+    assert 1.93 < ratio["fp8"][1] < 1.94 and 3.86 < ratio["fp8"][0] < 3.87
+    plain = Fp8PagedKVCache(TINY, num_blocks=2, block_size=16, dtype=torch.float32, center_keys=False,
+                            scale_granularity="tensor")
+    assert plain.block_bytes == 2 * quant.bytes_per_block_per_layer("fp8", 2, 16, 16)
+    assert 2 * 4 * (2 - 1) == quant.bytes_per_block_per_layer("fp8", 2, 16, 16, fp8_scale_granularity="head") \
+        - quant.bytes_per_block_per_layer("fp8", 2, 16, 16)
+    assert quant.bytes_per_block_per_layer("fp8", 3, 64, 16, fp8_center_keys=True) == \
+        quant.bytes_per_block_per_layer("fp8", 3, 64, 16) + 3 * 64
     # int8 at group 32, block 16: keys 8 bits + fp16 scale and zero per 16 tokens (2 bits),
     # values 8 bits + the same per 32 channels (1 bit): 9.5 bits on average.
     assert ratio["int8"][1] == pytest.approx(16 / 9.5)
-    # int4: (4 + 2 + 4 + 1) / 2 = 5.5 bits; larger blocks amortize the key metadata.
-    assert ratio["int4"][1] == pytest.approx(16 / 5.5)
-    assert ratio["int4"][0] == pytest.approx(32 / 5.5)
+    # int4 (compact), per layer and block: codes (4 bits, K and V), keys an e4m3 scale and zero
+    # per channel per 16 tokens, values one e4m3 scale per token and head (group 64 = head_dim),
+    # two int8 exponents: 3506 bytes against bfloat16's 12288 (3.50x).
+    assert kv_cache_bytes_per_block(SMOL, 16, "int4", torch.bfloat16) == 30 * (16 * 3 * 64 + 3 * 64 * 2 + 16 * 3 + 2)
+    assert ratio["int4"][1] >= 3.5 and ratio["int4"][0] >= 7.0
+    # Block 64: the key metadata is amortized over 64 tokens (3.82x).
+    assert kv_cache_bytes_per_block(SMOL, 64, "int4", torch.bfloat16) == 30 * (64 * 3 * 64 + 3 * 64 * 2 + 64 * 3 + 2)
+    # The float16-metadata format: (4 + 2 + 4 + 2) / 2 = 6 bits (TINY's head_dim 16 clips group 32).
+    old = IntPagedKVCache(TINY, num_blocks=2, block_size=16, dtype=torch.float32, group_size=32, compact=False)
+    assert old.block_bytes * 8 / (16 * 2 * 2 * 16 * 2) == pytest.approx(6)
+    assert old.block_bytes == 2 * quant.bytes_per_block_per_layer("int4", 2, 16, 16, 32)
     assert quant.bytes_per_token_per_layer("int4", 3, 64, 64, 64) * 8 / (3 * 64 * 2) == pytest.approx(4.5)
     # Same budget -> proportionally more blocks.
     budget = 1 << 30
-    assert budget // kv_cache_bytes_per_block(SMOL, 16, "fp8", torch.bfloat16) >= 1.99 * (budget // bf16)
+    assert budget // kv_cache_bytes_per_block(SMOL, 16, "fp8", torch.bfloat16) >= 1.93 * (budget // bf16)
     assert QuantizedKVCache.residual_bytes(SMOL, 16, "int4", torch.float32, 8) == \
         8 * 30 * (2 * 16 * 3 * 64 * 4 + 16)
 
@@ -150,10 +224,14 @@ def reference_block(cache, k_blk, v_blk):
     """What a sealed block must dequantize to: the quantizer applied to the whole block."""
     if isinstance(cache, Fp8PagedKVCache):
         dims = (1, 3) if cache.scale_granularity == "head" else (1, 2, 3)
-        return [quant.dequantize_fp8(quant.quantize_fp8(x, cache.kind, reduce_dims=dims)) for x in (k_blk, v_blk)]
-    g = cache.groups
-    return [quant.dequantize_groups(quant.quantize_groups(k_blk, cache.bits, g.key_tokens, 1)),
-            quant.dequantize_groups(quant.quantize_groups(v_blk, cache.bits, g.value_channels, 3))]
+        centers = ((1,) if cache.center_keys else None, None)  # keys over the block's tokens
+        return [quant.dequantize_fp8(quant.quantize_fp8(x, cache.kind, reduce_dims=dims, center_dims=c))
+                for x, c in zip((k_blk, v_blk), centers)]
+    g, fmt = cache.groups, dict(compact=cache.compact, exponent_dims=(1, 2, 3))
+    return [quant.dequantize_groups(quant.quantize_groups(k_blk, cache.bits, g.key_tokens, 1,
+                                                          symmetric=cache.symmetric["k"], **fmt)),
+            quant.dequantize_groups(quant.quantize_groups(v_blk, cache.bits, g.value_channels, 3,
+                                                          symmetric=cache.symmetric["v"], **fmt))]
 
 
 @pytest.mark.parametrize("dt", QUANT_DTYPES)
@@ -213,8 +291,10 @@ def test_int_without_residual_quantizes_each_token_when_written(dt):
     write_seq(c, [5, 0], k, v, [3, 1, 7])
     gk, gv = c.gather(0, torch.tensor([5, 0]))
     bits, g = quant.INT_BITS[dt], c.groups.value_channels
-    for got, x in ((gk, k), (gv, v)):  # keys per token too: each token is final when written
-        assert torch.equal(got[:11], quant.dequantize_groups(quant.quantize_groups(x, bits, g, 2)))
+    for got, x, name in ((gk, k, "k"), (gv, v, "v")):  # keys per token too: final when written
+        ref = quant.quantize_groups(x, bits, g, 2, compact=c.compact, symmetric=c.symmetric[name],
+                                    exponent_dims=(1, 2))
+        assert torch.equal(got[:11], quant.dequantize_groups(ref))
     c.copy_blocks([BlockCopy(0, 3, 2)])
     g3, _ = c.gather(0, torch.tensor([3]))
     assert torch.equal(g3[:2], gk[8:10])

@@ -64,25 +64,30 @@ def test_fp8_halves_a_16_bit_cache(name):
     bf16 = plan_kv(cfg, 8 * GIB, 16, "auto", "bfloat16", 4096)
     for fp8 in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         p = plan_kv(cfg, 8 * GIB, 16, fp8, "bfloat16", 4096)
-        # Half the bytes, plus one float32 scale per block for K and one for V in every layer.
-        assert p.bytes_per_block == bf16.bytes_per_block // 2 + cfg.num_hidden_layers * 2 * 4
-        # The pool doubles, less the full-precision residual block kept open per running sequence.
+        # Half the bytes, plus per block and layer a float32 scale per KV head for K and for V and
+        # an e4m3 key mean per channel (key centering, kvserve.kv.quant.quantize_fp8).
+        H, D = cfg.num_key_value_heads, cfg.head_dim
+        assert p.bytes_per_block == bf16.bytes_per_block // 2 + cfg.num_hidden_layers * (2 * 4 * H + H * D)
+        # The pool nearly doubles (64/33: the means cost 1/16 byte per element at block 16), less
+        # the full-precision residual block kept open per running sequence.
         one = plan_kv(cfg, 8 * GIB, 16, fp8, "bfloat16", 4096, max_num_seqs=1)
-        assert 1.99 < one.num_tokens / bf16.num_tokens <= 2.0
+        assert 1.93 < one.num_tokens / bf16.num_tokens <= 64 / 33
         residual = 256 * bf16.bytes_per_block
         assert p.num_blocks == (8 * GIB - residual - 256 * 16 * cfg.num_hidden_layers) // p.bytes_per_block
 
 
 def test_smollm2_quantized_figures_by_hand():
     # One layer, one block of 16 tokens, 3 KV heads x 64: 3,072 elements each for K and V.
-    # fp8: 1 byte each + a float32 scale per block for K and V.
-    assert kv_bytes_per_block(SMOL, 16, "fp8") == 30 * 2 * (3072 + 4) == 184_560
+    # fp8: 1 byte each + a float32 scale per KV head for K and V + an e4m3 key mean per channel.
+    assert kv_bytes_per_block(SMOL, 16, "fp8") == 30 * (2 * 3072 + 2 * 3 * 4 + 3 * 64) == 190_800
     # int8/int4 (KIVI, groups of 32 clipped to the block): key scale+zero (fp16) per channel per
     # 16-token group = 3*64*2*2 = 768 bytes; value scale+zero per token per 32 channels =
     # 16*3*2*2*2 = 384 bytes.
     assert kv_bytes_per_block(SMOL, 16, "int8") == 30 * (2 * 3072 + 768 + 384) == 218_880
-    assert kv_bytes_per_block(SMOL, 16, "int4") == 30 * (2 * 1536 + 768 + 384) == 126_720
-    assert plan_kv(SMOL, GIB, 16, "int4", "bfloat16", 8192).bytes_per_token == 7_920
+    # int4 (compact metadata): key scale+zero in e4m3 per channel per block = 3*64*2 = 384 bytes,
+    # one e4m3 value scale per token and head = 16*3 = 48 bytes, two int8 block exponents.
+    assert kv_bytes_per_block(SMOL, 16, "int4") == 30 * (2 * 1536 + 384 + 48 + 2) == 105_180
+    assert plan_kv(SMOL, GIB, 16, "int4", "bfloat16", 8192).bytes_per_token == 105_180 / 16
     with pytest.raises(ConfigError, match="kv-cache-dtype"):
         kv_bytes_per_block(SMOL, 16, "int2")
 
@@ -193,7 +198,8 @@ def test_cli_gpu_memory_budget_arithmetic(capsys):
     assert p["bytes_per_token"] == 131_072 and p["num_blocks"] == b["kv_cache_memory"] // (131_072 * 16)
     table = {row["kv_cache_dtype"]: row for row in d["table"]}
     assert set(table) == {"auto", "fp8", "int8", "int4"}
-    assert table["fp8"]["bytes_per_token"] == 65_536 + 32 * 2 * 4 / 16  # + K and V scales per block
+    # + K and V scales per KV head and the e4m3 key means, per block of 16
+    assert table["fp8"]["bytes_per_token"] == 65_536 + 32 * (2 * 8 * 4 + 8 * 128) / 16
     lens = [c["max_model_len"] for c in table["auto"]["max_concurrency"]]
     assert 32768 in lens and lens == sorted(lens)
 

@@ -8,10 +8,18 @@ Formats and the error each admits (the tests check exactly these bounds):
   fp8_e4m3  3 mantissa bits: |x - x'| <= 2^-4 |x| for scaled values in the normal range
             [2^-6, 448], <= 2^-10 * scale below it (half the subnormal step 2^-9).
   fp8_e5m2  2 mantissa bits: <= 2^-3 |x| in [2^-14, 57344], <= 2^-17 * scale below.
+            Centered (`center_dims`): the same bounds hold for x - mean, where mean is the mean over
+            center_dims as stored beside the codes (e4m3, unscaled); x' = data * scale + mean.
   int8/int4 asymmetric: x' = q * scale + zero, q in [0, 2^bits - 1]; |x - x'| <= scale / 2, where
             scale = (max - min) / (2^bits - 1) of the group. Scale and zero are stored in float16
             rounded *outward* (zero down, scale up) so the group's [min, max] always stays inside
             the representable range and the scale/2 bound holds for the stored scale.
+  compact   (int4's default) scale and zero in fp8 e4m3, still rounded outward, so the same
+            scale/2 bound holds for the stored scale. e4m3 tops out at 448, so each row (a block
+            or a token, `exponent_dims`) is first divided by a power of two 2^e (exact) that brings
+            its largest |x| into [224, 448]; e is stored as int8 and x' is multiplied back.
+            Symmetric groups (values): x' = (q - 2^(bits-1)) * scale, scale = amax / (2^(bits-1) - 1),
+            no zero point stored; |x - x'| <= scale / 2.
 """
 from __future__ import annotations
 
@@ -32,7 +40,18 @@ FULL_PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the overhead of float32 metadata (KIVI stores them in fp16 too).
 GROUP_META_DTYPE = torch.float16
 GROUP_META_BYTES = 2
+# Compact metadata (int4): one byte per scale / zero. Outward rounding makes an e4m3 scale at most
+# 2^-3 larger than needed (a step 12 % coarser) instead of clipping; measured +2 % perplexity on
+# SmolLM2 for 3.5x instead of 2.9x at block 16 (bench/NOTES.md, 2026-11-21).
+COMPACT_META_DTYPE = torch.float8_e4m3fn
+COMPACT_META_MAX = 448.0
 FP8_SCALE_BYTES = 4  # fp8 scales are float32: a few per block, precision is free there
+# Key centering means are stored in e4m3 themselves (1 byte per channel per block): the codes
+# encode x minus the *stored* mean, so its rounding adds no error of its own; it only leaves up to
+# 2^-4 |mean| of offset in what is quantized, 16x less than without centering. Measured the same
+# as float16 means (bench/NOTES.md) for half the bytes.
+FP8_MEAN_DTYPE = torch.float8_e4m3fn
+FP8_MEAN_BYTES = 1
 
 
 class QuantError(ValueError):
@@ -52,7 +71,8 @@ def canonical_kind(kind: str) -> str:
 
 class Fp8Quantized(NamedTuple):
     data: torch.Tensor  # float8 tensor, same shape as the input
-    scale: torch.Tensor  # float32, broadcastable against `data` (x ~= data * scale)
+    scale: torch.Tensor  # float32, broadcastable against `data` (x ~= data * scale + mean)
+    mean: torch.Tensor | None = None  # per-channel offset subtracted before the cast (centered)
 
 
 def fp8_max(kind: str) -> float:
@@ -68,12 +88,25 @@ def fp8_dynamic_scale(x: torch.Tensor, kind: str, reduce_dims: tuple[int, ...]) 
 
 
 def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | float | None = None,
-                 reduce_dims: tuple[int, ...] | None = None) -> Fp8Quantized:
+                 reduce_dims: tuple[int, ...] | None = None,
+                 center_dims: tuple[int, ...] | None = None) -> Fp8Quantized:
     """x -> float8 with `scale` (static, e.g. a checkpoint's k_scale) or a dynamic one computed
-    over `reduce_dims` (default: all dims = one per-tensor scale)."""
+    over `reduce_dims` (default: all dims = one per-tensor scale).
+
+    `center_dims`: first subtract the mean over these dims (kept, as FP8_MEAN_DTYPE, in the result).
+    fp8's error is relative to the value, so a channel that sits at a large offset (LLM keys
+    have such outlier channels) loses its small token-to-token variation - which is all that
+    attention scores see - to rounding of the offset. Centered, only the variation is rounded."""
     kind = canonical_kind(kind)
     if kind not in FP8_DTYPES:
         raise QuantError(f"quantize_fp8 needs fp8_e4m3 or fp8_e5m2, got {kind!r}")
+    mean = None
+    if center_dims is not None:
+        mean_max = float(torch.finfo(FP8_MEAN_DTYPE).max)
+        # Clamped: e4m3fn has no infinity. A clamped mean still centers, only less.
+        mean = x.detach().float().mean(dim=center_dims, keepdim=True).clamp(-mean_max, mean_max)
+        mean = mean.to(FP8_MEAN_DTYPE)
+        x = x.float() - mean.float()
     if scale is None:
         dims = tuple(range(x.dim())) if reduce_dims is None else reduce_dims
         scale_t = fp8_dynamic_scale(x, kind, dims)
@@ -84,22 +117,25 @@ def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | 
     fmax = fp8_max(kind)
     # Clamp before the cast: e4m3fn has no infinity, an out-of-range cast is NaN on some backends.
     scaled = (x.float() / scale_t).clamp(-fmax, fmax)
-    return Fp8Quantized(scaled.to(FP8_DTYPES[kind]), scale_t)
+    return Fp8Quantized(scaled.to(FP8_DTYPES[kind]), scale_t, mean)
 
 
 def dequantize_fp8(q: Fp8Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.data.float() * q.scale).to(dtype)
+    x = q.data.float() * q.scale
+    return (x if q.mean is None else x + q.mean.float()).to(dtype)
 
 
 # ------------------------------------------------------------------------- int8 / int4 groups
 
 class GroupQuantized(NamedTuple):
     codes: torch.Tensor  # uint8; for int4 two codes per byte along the last dim (packed)
-    scale: torch.Tensor  # float16, the group axis reduced to n_groups (see quantize_groups)
-    zero: torch.Tensor  # float16, same shape as scale; x ~= code * scale + zero
+    scale: torch.Tensor  # float16 or e4m3, the group axis reduced to n_groups (see quantize_groups)
+    zero: torch.Tensor | None  # same shape and dtype as scale; x ~= code * scale + zero.
+    #                            None: symmetric, x ~= (code - 2^(bits-1)) * scale
     bits: int
     axis: int  # the axis the groups run along (non-negative)
     group_size: int
+    exponent: torch.Tensor | None = None  # compact: int8 e per row (keepdim), x ~= 2^e * (...)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -114,21 +150,44 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def _outward_meta(mn: torch.Tensor, mx: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 zero <= mn and scale with zero + qmax*scale >= mx, so no value of the group clips."""
-    zero = mn.to(GROUP_META_DTYPE)
-    lower = torch.nextafter(zero, torch.full_like(zero, float("-inf")))
-    zero = torch.where(zero.float() > mn, lower, zero)
-    need = (mx - zero.float()) / qmax
-    scale = need.to(GROUP_META_DTYPE)
-    higher = torch.nextafter(scale, torch.full_like(scale, float("inf")))
-    scale = torch.where(scale.float() < need, higher, scale)
+def fp8_round_outward(t: torch.Tensor, up: bool) -> torch.Tensor:
+    """e4m3 value >= t (up) or <= t (down), the nearest such; |t| <= 448 expected. torch has no
+    nextafter for float8, so step the bit pattern: sign-magnitude, one code = one ulp."""
+    r = t.clamp(-COMPACT_META_MAX, COMPACT_META_MAX).to(COMPACT_META_DTYPE)
+    rf = r.float()
+    bad = rf < t if up else rf > t
+    bits = r.view(torch.uint8).to(torch.int16)
+    neg = bits >= 0x80
+    away = neg != up  # moving away from zero: magnitude + 1 ulp
+    step = torch.where(away, bits + 1, bits - 1)
+    # A zero that must move: +0 down -> -2^-9 (0x81), -0 up -> +2^-9 (0x01).
+    step = torch.where((bits & 0x7F) == 0, torch.where(torch.tensor(up), 0x01, 0x81), step)
+    out = torch.where(bad, step, bits).to(torch.uint8).view(COMPACT_META_DTYPE)
+    return out
+
+
+def _round_meta(t: torch.Tensor, up: bool, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == COMPACT_META_DTYPE:
+        return fp8_round_outward(t, up)
+    r = t.to(dtype)
+    nxt = torch.nextafter(r, torch.full_like(r, float("inf") if up else float("-inf")))
+    return torch.where(r.float() < t if up else r.float() > t, nxt, r)
+
+
+def _outward_meta(mn: torch.Tensor, mx: torch.Tensor, qmax: int,
+                  dtype: torch.dtype = GROUP_META_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored zero <= mn and scale with zero + qmax*scale >= mx, so no value of the group clips."""
+    zero = _round_meta(mn, False, dtype)
+    scale = _round_meta((mx - zero.float()) / qmax, True, dtype)
     return scale, zero
 
 
-def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int) -> GroupQuantized:
+def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int, compact: bool = False,
+                    symmetric: bool = False, exponent_dims: tuple[int, ...] | None = None) -> GroupQuantized:
     """Asymmetric min/max quantization of groups of `group_size` consecutive elements along
-    `axis`. scale/zero have x's shape with that axis divided by group_size."""
+    `axis` (symmetric: absmax, no zero point). scale/zero have x's shape with that axis divided
+    by group_size; compact: stored in e4m3 instead of float16, with a power-of-two exponent per
+    slice over `exponent_dims` (default: all dims, one for the whole tensor)."""
     if bits not in (4, 8):
         raise QuantError(f"group quantization supports 4 or 8 bits, got {bits}")
     axis = axis % x.dim()
@@ -143,24 +202,51 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int) -> G
     grouped = xf.unflatten(axis, (n // group_size, group_size))
     mn = grouped.amin(dim=axis + 1)
     mx = grouped.amax(dim=axis + 1)
-    if float(mx.abs().max().clamp_min(mn.abs().max())) > 6.0e4:
+    amax = float(mx.abs().max().clamp_min(mn.abs().max()))
+    if amax > 6.0e4 and not compact:  # compact metadata is exponent-shifted, any range fits
         raise QuantError("KV values exceed float16 range (|x| > 6e4); int KV quantization stores "
                          "scales in float16 - use --kv-cache-dtype fp8_e5m2 or auto for this model")
-    scale, zero = _outward_meta(mn, mx, qmax)
-    s, z = scale.float().unsqueeze(axis + 1), zero.float().unsqueeze(axis + 1)
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # constant group: every code is 0 (= zero)
-    codes = ((grouped - z) * inv).round_().clamp_(0, qmax).to(torch.uint8).flatten(axis, axis + 1)
+    exponent = None
+    if compact:
+        dims = tuple(range(x.dim())) if exponent_dims is None else exponent_dims
+        row_max = xf.abs().amax(dim=dims, keepdim=True)
+        e = torch.ceil(torch.log2(row_max / COMPACT_META_MAX)).clamp(-100, 100)
+        exponent = torch.where(row_max > 0, e, torch.zeros_like(e)).to(torch.int8)
+        # Powers of two: exact in float32, so the scaled group keeps its exact min/max.
+        factor = torch.exp2(-exponent.float())
+        grouped = (xf * factor).unflatten(axis, (n // group_size, group_size))
+        mn = grouped.amin(dim=axis + 1)
+        mx = grouped.amax(dim=axis + 1)
+    meta_dtype = COMPACT_META_DTYPE if compact else GROUP_META_DTYPE
+    if symmetric:
+        half = 1 << (bits - 1)
+        scale = _round_meta(torch.maximum(mx, -mn) / (half - 1), True, meta_dtype)
+        s = scale.float().unsqueeze(axis + 1)
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # all-zero group: every code is `half`
+        codes = ((grouped * inv).round_() + half).clamp_(1, qmax).to(torch.uint8).flatten(axis, axis + 1)
+        zero = None
+    else:
+        scale, zero = _outward_meta(mn, mx, qmax, meta_dtype)
+        s, z = scale.float().unsqueeze(axis + 1), zero.float().unsqueeze(axis + 1)
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # constant group: every code is 0 (= zero)
+        codes = ((grouped - z) * inv).round_().clamp_(0, qmax).to(torch.uint8).flatten(axis, axis + 1)
     if bits == 4:
         codes = pack_int4(codes)
-    return GroupQuantized(codes, scale, zero, bits, axis, group_size)
+    return GroupQuantized(codes, scale, zero, bits, axis, group_size, exponent)
 
 
 def dequantize_groups(q: GroupQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     codes = unpack_int4(q.codes) if q.bits == 4 else q.codes
     n = codes.shape[q.axis]
     grouped = codes.unflatten(q.axis, (n // q.group_size, q.group_size)).float()
-    x = grouped * q.scale.float().unsqueeze(q.axis + 1) + q.zero.float().unsqueeze(q.axis + 1)
-    return x.flatten(q.axis, q.axis + 1).to(dtype)
+    if q.zero is None:
+        x = (grouped - (1 << (q.bits - 1))) * q.scale.float().unsqueeze(q.axis + 1)
+    else:
+        x = grouped * q.scale.float().unsqueeze(q.axis + 1) + q.zero.float().unsqueeze(q.axis + 1)
+    x = x.flatten(q.axis, q.axis + 1)
+    if q.exponent is not None:
+        x = x * torch.exp2(q.exponent.float())
+    return x.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -209,27 +295,34 @@ def effective_group_sizes(group_size: int, block_size: int, head_dim: int) -> KV
 
 
 def bytes_per_block_per_layer(kind: str, num_kv_heads: int, head_dim: int, block_size: int,
-                              group_size: int = 64, fp8_scale_granularity: str = "tensor") -> int:
-    """Exact bytes one block of one layer holds for K and V, scales and zero points included."""
+                              group_size: int = 64, fp8_scale_granularity: str = "tensor",
+                              fp8_center_keys: bool = False, int_compact: bool = False) -> int:
+    """Exact bytes one block of one layer holds for K and V, scales, zero points and key means
+    included."""
     kind = canonical_kind(kind)
     elems = block_size * num_kv_heads * head_dim
     if kind in FULL_PRECISION_BYTES:
         return 2 * elems * FULL_PRECISION_BYTES[kind]
     if kind in FP8_DTYPES:
         scales_per_block = num_kv_heads if fp8_scale_granularity == "head" else 1
-        return 2 * (elems + scales_per_block * FP8_SCALE_BYTES)
+        key_means = num_kv_heads * head_dim * FP8_MEAN_BYTES if fp8_center_keys else 0
+        return 2 * (elems + scales_per_block * FP8_SCALE_BYTES) + key_means
     bits = INT_BITS[kind]
     if bits == 4 and head_dim % 2:
         raise QuantError(f"int4 KV packs two values per byte along head_dim; head_dim {head_dim} is odd")
     g = effective_group_sizes(group_size, block_size, head_dim)
     codes = elems * bits // 8
-    key_meta = (block_size // g.key_tokens) * num_kv_heads * head_dim * 2 * GROUP_META_BYTES
-    value_meta = block_size * num_kv_heads * (head_dim // g.value_channels) * 2 * GROUP_META_BYTES
-    return 2 * codes + key_meta + value_meta
+    # Keys: scale + zero per group; values: scale + zero, or (compact: symmetric) a scale only.
+    # Compact adds one int8 exponent per block for K and one for V.
+    meta_bytes, value_fields, exponents = (1, 1, 2) if int_compact else (GROUP_META_BYTES, 2, 0)
+    key_meta = (block_size // g.key_tokens) * num_kv_heads * head_dim * 2 * meta_bytes
+    value_meta = block_size * num_kv_heads * (head_dim // g.value_channels) * value_fields * meta_bytes
+    return 2 * codes + key_meta + value_meta + exponents
 
 
 def bytes_per_token_per_layer(kind: str, num_kv_heads: int, head_dim: int, block_size: int = 16,
-                              group_size: int = 64, fp8_scale_granularity: str = "tensor") -> float:
+                              group_size: int = 64, fp8_scale_granularity: str = "tensor",
+                              fp8_center_keys: bool = False, int_compact: bool = False) -> float:
     """K+V bytes per token per layer, with per-block metadata amortized over the block's tokens."""
     return bytes_per_block_per_layer(kind, num_kv_heads, head_dim, block_size, group_size,
-                                     fp8_scale_granularity) / block_size
+                                     fp8_scale_granularity, fp8_center_keys, int_compact) / block_size

@@ -32,6 +32,17 @@ from kvserve.model.kv_cache import KVCache, _copy_slot_indices, register_kv_cach
 # Measured (bench/kv_quality.py --quick, SmolLM2-135M): int4 perplexity +0.21 % at 32 vs +1.03 % at
 # 64 for 4 % more bytes per token (value groups; key groups are clipped to the block anyway).
 DEFAULT_GROUP_SIZE = 32
+# int4 defaults to compact metadata (e4m3 scales/zeros, symmetric value groups of a whole head):
+# 3.5x fewer bytes than bfloat16 at block 16 instead of 2.9x (bench/NOTES.md, 2026-11-21).
+COMPACT_GROUP_SIZE = 64
+COMPACT_BY_DEFAULT = {"int8": False, "int4": True}
+
+
+def _int_defaults(kind: str, group_size: int | None, compact: bool | None) -> tuple[int, bool]:
+    compact = COMPACT_BY_DEFAULT[kind] if compact is None else compact
+    if group_size is None:
+        group_size = COMPACT_GROUP_SIZE if compact else DEFAULT_GROUP_SIZE
+    return group_size, compact
 DEFAULT_NUM_RESIDUAL_BLOCKS = 256  # = EngineArgs.max_num_seqs default
 
 
@@ -353,15 +364,21 @@ class QuantizedKVCache(KVCache):
 
 @register_kv_cache("fp8", "fp8_e4m3", "fp8_e5m2")
 class Fp8PagedKVCache(QuantizedKVCache):
-    """float8 K/V. Dynamic scales: one per block (default) or per block and kv head, computed
+    """float8 K/V. Dynamic scales: per block and kv head (default) or one per block, computed
     when the block is sealed - per block because a per-tensor scale that grows would have to
     rescale every block already written. Static scales (`kv_scales`): per layer, from the
-    checkpoint, applied at write time (no residual needed)."""
+    checkpoint, applied at write time (no residual needed).
+
+    `center_keys` (dynamic scales only, default on): each sealed block also stores the e4m3 mean
+    of every key channel over its tokens and quantizes K minus that mean (quant.quantize_fp8).
+    Measured on SmolLM2 (bench/NOTES.md, 2026-11-21 "fp8 key centering"): keys carry almost all
+    of fp8's error; centering halves the KL to float32 KV and per-head scales (the head's largest
+    key then lands exactly on e4m3's max) take a further third off."""
 
     def __init__(self, model_config: ModelConfig, *, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "fp8",
-                 scale_granularity: str = "tensor", kv_scales: KVScales | None = None,
-                 num_residual_blocks: int | None = None) -> None:
+                 scale_granularity: str = "head", kv_scales: KVScales | None = None,
+                 num_residual_blocks: int | None = None, center_keys: bool = True) -> None:
         self.kind = quant.canonical_kind(kv_cache_dtype)
         if self.kind not in quant.FP8_DTYPES:
             raise ConfigError(f"Fp8PagedKVCache takes fp8, fp8_e4m3 or fp8_e5m2, got {kv_cache_dtype!r}")
@@ -369,6 +386,8 @@ class Fp8PagedKVCache(QuantizedKVCache):
             raise ConfigError(f"fp8 scale granularity must be 'tensor' or 'head' (got {scale_granularity!r})")
         self.scale_granularity = scale_granularity
         self.staged = kv_scales is None
+        # Centering needs the block's statistics, i.e. the residual; static scales write per token.
+        self.center_keys = center_keys and self.staged
         self._init_common(model_config, num_blocks, block_size, dtype, device, num_residual_blocks)
         H, D, fp8 = self.num_kv_heads, self.head_dim, quant.FP8_DTYPES[self.kind]
         for name in ("k", "v"):
@@ -377,6 +396,8 @@ class Fp8PagedKVCache(QuantizedKVCache):
             n_scales = H if scale_granularity == "head" else 1
             self._add_field("k_scale", (n_scales,), torch.float32)
             self._add_field("v_scale", (n_scales,), torch.float32)
+            if self.center_keys:
+                self._add_field("k_mean", (H, D), quant.FP8_MEAN_DTYPE)
         else:
             self.static = {}
             for name, s in (("k", kv_scales.k_scale), ("v", kv_scales.v_scale)):
@@ -389,8 +410,10 @@ class Fp8PagedKVCache(QuantizedKVCache):
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, kv_cache_dtype: str,
                         model_dtype: torch.dtype) -> int:
+        # The engine's default construction: dynamic per-head scales with centered keys.
         return model_config.num_hidden_layers * quant.bytes_per_block_per_layer(
-            kv_cache_dtype, model_config.num_key_value_heads, model_config.head_dim, block_size)
+            kv_cache_dtype, model_config.num_key_value_heads, model_config.head_dim, block_size,
+            fp8_scale_granularity="head", fp8_center_keys=True)
 
     def _scale_view(self, s: torch.Tensor) -> torch.Tensor:
         # [nb, n_scales] -> broadcast over [nb, bs, H, D]
@@ -399,9 +422,12 @@ class Fp8PagedKVCache(QuantizedKVCache):
     def _store_blocks(self, layer, block_ids, k, v):
         dims = (1, 3) if self.scale_granularity == "head" else (1, 2, 3)
         for name, x in (("k", k), ("v", v)):
-            q = quant.quantize_fp8(x, self.kind, reduce_dims=dims)
+            center = (1,) if name == "k" and self.center_keys else None  # over the block's tokens
+            q = quant.quantize_fp8(x, self.kind, reduce_dims=dims, center_dims=center)
             self.fields[name][layer, block_ids] = q.data
             self.fields[name + "_scale"][layer, block_ids] = q.scale.reshape(block_ids.numel(), -1)
+            if center:
+                self.fields["k_mean"][layer, block_ids] = q.mean.squeeze(1)
 
     def _static_scale(self, name: str, layer: int) -> torch.Tensor:
         s = self.static[name][layer]
@@ -419,11 +445,14 @@ class Fp8PagedKVCache(QuantizedKVCache):
         out = []
         for name in ("k", "v"):
             data = self.fields[name][layer, block_ids]
+            mean = None
             if self.staged:
                 scale = self._scale_view(self.fields[name + "_scale"][layer, block_ids])
+                if name == "k" and self.center_keys:
+                    mean = self.fields["k_mean"][layer, block_ids][:, None]  # [nb, 1, H, D]
             else:
                 scale = self._static_scale(name, layer)
-            out.append(quant.dequantize_fp8(quant.Fp8Quantized(data, scale), self.dtype))
+            out.append(quant.dequantize_fp8(quant.Fp8Quantized(data, scale, mean), self.dtype))
         return out[0], out[1]
 
 
@@ -431,16 +460,19 @@ class Fp8PagedKVCache(QuantizedKVCache):
 class IntPagedKVCache(QuantizedKVCache):
     """KIVI: asymmetric int8/int4 groups, keys per channel (groups of tokens within a block,
     so the block passes through the residual), values per token (groups along head_dim).
-    `residual=False` quantizes keys per token too, so each token is final when written."""
+    `residual=False` quantizes keys per token too, so each token is final when written.
+    `compact` (int4's default): scales and zero points in e4m3, values symmetric (scale only);
+    group_size defaults to 64 then, 32 otherwise."""
 
     def __init__(self, model_config: ModelConfig, *, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "int4",
-                 group_size: int = DEFAULT_GROUP_SIZE, residual: bool = True,
-                 num_residual_blocks: int | None = None) -> None:
+                 group_size: int | None = None, residual: bool = True,
+                 num_residual_blocks: int | None = None, compact: bool | None = None) -> None:
         self.kind = quant.canonical_kind(kv_cache_dtype)
         if self.kind not in quant.INT_BITS:
             raise ConfigError(f"IntPagedKVCache takes int8 or int4, got {kv_cache_dtype!r}")
         self.bits = quant.INT_BITS[self.kind]
+        group_size, self.compact = _int_defaults(self.kind, group_size, compact)
         self.staged = residual
         self._init_common(model_config, num_blocks, block_size, dtype, device, num_residual_blocks)
         H, D = self.num_kv_heads, self.head_dim
@@ -449,7 +481,7 @@ class IntPagedKVCache(QuantizedKVCache):
         except quant.QuantError as e:
             raise ConfigError(str(e)) from None
         packed = D * self.bits // 8
-        meta = quant.GROUP_META_DTYPE
+        meta = quant.COMPACT_META_DTYPE if self.compact else quant.GROUP_META_DTYPE
         self._add_field("k", (block_size, H, packed), torch.uint8)
         self._add_field("v", (block_size, H, packed), torch.uint8)
         if residual:
@@ -457,37 +489,56 @@ class IntPagedKVCache(QuantizedKVCache):
         else:
             k_meta = (block_size, H, D // self.groups.value_channels)
         v_meta = (block_size, H, D // self.groups.value_channels)
-        for name, shape in (("k_scale", k_meta), ("k_zero", k_meta), ("v_scale", v_meta), ("v_zero", v_meta)):
-            self._add_field(name, shape, meta)
+        # Compact values are symmetric (no zero point); so are compact keys quantized per token.
+        self.symmetric = {"k": self.compact and not residual, "v": self.compact}
+        for name, shape in (("k", k_meta), ("v", v_meta)):
+            self._add_field(name + "_scale", shape, meta)
+            if not self.symmetric[name]:
+                self._add_field(name + "_zero", shape, meta)
+            if self.compact:  # power-of-two exponent: per block (staged) or per token (direct)
+                self._add_field(name + "_exp", (1,) if residual else (block_size,), torch.int8)
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, kv_cache_dtype: str,
                         model_dtype: torch.dtype) -> int:
+        group_size, compact = _int_defaults(quant.canonical_kind(kv_cache_dtype), None, None)
         return model_config.num_hidden_layers * quant.bytes_per_block_per_layer(
             kv_cache_dtype, model_config.num_key_value_heads, model_config.head_dim, block_size,
-            DEFAULT_GROUP_SIZE)
+            group_size, int_compact=compact)
 
-    def _put(self, layer: int, name: str, idx: torch.Tensor, q: quant.GroupQuantized) -> None:
-        self.fields[name][layer, idx] = q.codes
-        self.fields[name + "_scale"][layer, idx] = q.scale
-        self.fields[name + "_zero"][layer, idx] = q.zero
+    def _quantize(self, name: str, x: torch.Tensor, group: int, axis: int) -> quant.GroupQuantized:
+        rows = tuple(range(1, x.dim()))  # one exponent per block [nb, bs, H, D] or token [T, H, D]
+        return quant.quantize_groups(x, self.bits, group, axis, compact=self.compact,
+                                     symmetric=self.symmetric[name], exponent_dims=rows)
+
+    def _put(self, layer: int, name: str, idx: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+             q: quant.GroupQuantized) -> None:
+        """idx: block ids (whole blocks) or (block ids, offsets) (single tokens)."""
+        at = (layer, *idx) if isinstance(idx, tuple) else (layer, idx)
+        self.fields[name][at] = q.codes
+        self.fields[name + "_scale"][at] = q.scale
+        if q.zero is not None:
+            self.fields[name + "_zero"][at] = q.zero
+        if q.exponent is not None:
+            self.fields[name + "_exp"][at] = q.exponent.reshape(q.exponent.shape[0], -1).squeeze(-1) \
+                if isinstance(idx, tuple) else q.exponent.reshape(q.exponent.shape[0], 1)
 
     def _store_blocks(self, layer, block_ids, k, v):
-        self._put(layer, "k", block_ids, quant.quantize_groups(k, self.bits, self.groups.key_tokens, axis=1))
-        self._put(layer, "v", block_ids, quant.quantize_groups(v, self.bits, self.groups.value_channels, axis=3))
+        self._put(layer, "k", block_ids, self._quantize("k", k, self.groups.key_tokens, axis=1))
+        self._put(layer, "v", block_ids, self._quantize("v", v, self.groups.value_channels, axis=3))
 
     def _store_tokens(self, layer, slots, k, v):
         bs = self.block_size
-        blocks, offs = slots // bs, slots % bs
+        idx = (slots // bs, slots % bs)
         for name, x in (("k", k), ("v", v)):
-            q = quant.quantize_groups(x, self.bits, self.groups.value_channels, axis=2)
-            self.fields[name][layer, blocks, offs] = q.codes
-            self.fields[name + "_scale"][layer, blocks, offs] = q.scale
-            self.fields[name + "_zero"][layer, blocks, offs] = q.zero
+            self._put(layer, name, idx, self._quantize(name, x, self.groups.value_channels, axis=2))
 
     def _get(self, layer: int, name: str, block_ids: torch.Tensor, group: int, axis: int) -> torch.Tensor:
+        zero, exp = self.fields.get(name + "_zero"), self.fields.get(name + "_exp")
+        if exp is not None:
+            exp = exp[layer, block_ids][:, :, None, None]  # [nb, 1 or bs] -> against [nb, bs, H, D]
         q = quant.GroupQuantized(self.fields[name][layer, block_ids], self.fields[name + "_scale"][layer, block_ids],
-                                 self.fields[name + "_zero"][layer, block_ids], self.bits, axis, group)
+                                 None if zero is None else zero[layer, block_ids], self.bits, axis, group, exp)
         return quant.dequantize_groups(q, self.dtype)
 
     def _load_blocks(self, layer, block_ids):
