@@ -22,8 +22,10 @@ from kvserve.kv.hashing import extend_block_hashes, root_hash
 from kvserve.model.attention.base import build_attention_metadata
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
 from kvserve.model.kv_cache import PagedKVCache, create_kv_cache, kv_cache_bytes_per_block
-from kvserve.model.kv_cache_quant import (Fp8PagedKVCache, IntPagedKVCache, KVScales,
-                                          QuantizedKVCache)
+from kvserve.kv.quant import KVScales
+from kvserve.model.kv_cache_fp8 import Fp8PagedKVCache
+from kvserve.model.kv_cache_int import IntPagedKVCache
+from kvserve.model.kv_cache_quant import QuantizedKVCache
 
 FP8_BOUNDS = {"fp8_e4m3": (2.0 ** -4, 2.0 ** -10), "fp8_e5m2": (2.0 ** -3, 2.0 ** -17)}
 QUANT_DTYPES = ["fp8", "fp8_e5m2", "int8", "int4"]

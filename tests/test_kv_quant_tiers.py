@@ -17,7 +17,9 @@ from kvserve import LLM
 from kvserve.engine.scheduler_output import BlockCopy
 from kvserve.kv.tiers.codec import pack_block
 from kvserve.model.kv_cache import create_kv_cache
-from kvserve.model.kv_cache_quant import Fp8PagedKVCache, IntPagedKVCache, KVScales
+from kvserve.kv.quant import KVScales
+from kvserve.model.kv_cache_fp8 import Fp8PagedKVCache
+from kvserve.model.kv_cache_int import IntPagedKVCache
 
 from test_kv_quant import TINY, samples, write_seq
 from test_tiers_engine import BS, SMALL, documents_workload, greedy

@@ -48,10 +48,27 @@ StepListener = Callable[[StepEvent], None]
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    # Only the finished output is delivered (a non-streaming API call reads nothing else): no
+    # event-loop work per token, which on a small CPU competes with the engine's forward.
+    final_only: bool = False
 
     def put(self, item: Any) -> None:
+        _deliver([(self, item)])
+
+
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _deliver(items: list[tuple[_Stream, Any]]) -> None:
+    """Hand items to their streams with one wake-up per event loop (not one per item)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
             pass
 
@@ -59,10 +76,11 @@ class _Stream:
 class RequestStream:
     """One admitted request's outputs. Iterating past `finished` ends; leaving early aborts."""
 
-    def __init__(self, llm: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, llm: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop,
+                 final_only: bool = False):
         self.llm = llm
         self.request_id = request_id
-        self._sink = _Stream(loop, asyncio.Queue())
+        self._sink = _Stream(loop, asyncio.Queue(), final_only)
         self.finished = False
 
     def abort(self) -> None:
@@ -168,12 +186,13 @@ class AsyncLLM:
             self._cv.notify()
 
     async def add_request(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
-                          cache_salt: str | None = None) -> "RequestStream":
+                          cache_salt: str | None = None, final_only: bool = False) -> "RequestStream":
         """Admit a request; raises the engine's RequestError before anything is streamed.
+        `final_only`: the stream yields only the finished (cumulative) output.
 
         The caller must iterate the returned stream to its end or call its abort().
         """
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id, asyncio.get_running_loop(), final_only)
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
@@ -240,19 +259,22 @@ class AsyncLLM:
             except Exception:
                 logger.exception("abort after a failed step also failed")
             return []
+        deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its client in the meantime
             if out.finished:
                 del self._streams[out.request_id]
-            stream.put(out)
+            elif stream.final_only:
+                continue
+            deliveries.append((stream, out))
+        _deliver(deliveries)
         return outputs
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.put(error)
+        _deliver([(stream, error) for stream in streams.values()])
 
     def _publish(self, outputs: list) -> None:
         try:

@@ -26,7 +26,7 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", seed: int = 0,
                  kv_cache_options: dict | None = None, attention_backend: str = "auto") -> None:
         """`kv_cache_options` pass through to the cache class (quantized caches:
-        num_residual_blocks, kv_scales, ...); see kvserve.model.kv_cache_quant."""
+        num_residual_blocks, kv_scales, ...); see kvserve.model.kv_cache_fp8 / kv_cache_int."""
         self.model_config = model_config
         self.dtype = dtype
         self.device = torch.device(device)

@@ -1,8 +1,9 @@
 """KV quantizers: fp8 (e4m3 / e5m2) with scales, and KIVI-style asymmetric int8 / int4 groups.
 
-Pure torch, no cache layout here: the paged cache (kvserve.model.kv_cache_quant) decides which
-axis a group runs along (KIVI: keys per channel, i.e. groups along the token axis; values per
-token, i.e. groups along head_dim) and this module only quantizes along the axis it is given.
+Pure torch, no cache layout here: the paged caches (kvserve.model.kv_cache_fp8 / kv_cache_int)
+decide which axis a group runs along (KIVI: keys per channel, i.e. groups along the token axis;
+values per token, i.e. groups along head_dim) and this module only quantizes along the axis it is
+given.
 
 Formats and the error each admits (the tests check exactly these bounds):
   fp8_e4m3  3 mantissa bits: |x - x'| <= 2^-4 |x| for scaled values in the normal range

@@ -26,7 +26,7 @@ from kvserve.engine.scheduler_output import BlockCopy
 
 # Module that holds the quantized caches; imported on first request for a non-"auto" dtype so
 # that it can register itself without this file naming its classes.
-QUANTIZED_KV_CACHE_MODULE = "kvserve.model.kv_cache_quant"
+QUANTIZED_KV_CACHE_MODULES = ("kvserve.model.kv_cache_fp8", "kvserve.model.kv_cache_int")
 
 
 class KVCache(ABC):
@@ -182,11 +182,12 @@ def kv_cache_class(kv_cache_dtype: str) -> type[KVCache]:
         raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
                           f"(got {kv_cache_dtype!r})")
     if kv_cache_dtype not in _KV_CACHE_CLASSES:
-        try:
-            importlib.import_module(QUANTIZED_KV_CACHE_MODULE)
-        except ModuleNotFoundError as e:
-            if e.name != QUANTIZED_KV_CACHE_MODULE:
-                raise
+        for module in QUANTIZED_KV_CACHE_MODULES:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as e:
+                if e.name != module:
+                    raise
     cls = _KV_CACHE_CLASSES.get(kv_cache_dtype)
     if cls is None:
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is not yet supported; "

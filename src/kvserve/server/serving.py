@@ -121,7 +121,8 @@ class OpenAIServing:
                 if self.config.enable_log_requests:
                     text = self.tokenizer.decode(ids, skip_special_tokens=False)[:self.config.max_log_len]
                     logger.info("Received request %s: prompt: %r, params: %s", rid, text, params)
-                admitted.streams.append(await self.llm.add_request(ids, params, rid, req.priority, cache_salt))
+                admitted.streams.append(await self.llm.add_request(ids, params, rid, req.priority, cache_salt,
+                                                                   final_only=not req.stream))
         except RequestError as e:
             admitted.abort()
             raise APIError(str(e), param=e.param) from None
