@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,34 +26,12 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parent / "tests"))  # tests/server_util.py: `kvserve serve` on 127.0.0.1
 
+from server_util import start_server  # noqa: E402
 from throughput import make_workloads, run_kvserve  # noqa: E402
 
 from kvserve import LLM  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, engine_flags: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *engine_flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy within 300 s")
 
 
 async def run_http(url: str, model: str, prompts: list[list[int]], out_len: int) -> dict:
@@ -99,10 +75,9 @@ def main(argv=None) -> int:
 
     # Interleaved (offline, server, offline, server, ...): this VM's speed drifts by +-30 % over
     # minutes, so only runs taken side by side compare; best of --repeat each.
-    port = free_port()
-    proc = start_server(port, flags)
+    server = start_server(*flags)
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = server.url
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         llm = LLM(None, **settings)
         run_kvserve(llm, workloads["random"][0][:4], 4)  # warm-up (allocator, kernels)
@@ -116,11 +91,7 @@ def main(argv=None) -> int:
             runs["offline"] = max(runs["offline_runs"], key=lambda r: r["output_tok_per_s"])
             runs["server"] = max(runs["server_runs"], key=lambda r: r["output_tok_per_s"])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
 
     print(f"\nServer mode vs offline, {args.num_requests} requests, {args.dtype}, {os.cpu_count()} CPUs")
     print(f"{'workload':<8} {'offline s (each)':>18} {'offline tok/s':>14} {'server s (each)':>18} {'server tok/s':>13} "

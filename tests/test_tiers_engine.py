@@ -279,15 +279,22 @@ def test_incompatible_engine_never_restores(tiny, tmp_path, redis_server):
         b.engine.close()
 
 
-def test_swap_preemption_matches_reference(tiny, ref):
+def _swap_run(tiny, ref, seed: int, swap_space: float) -> LLM:
+    """Six requests in a 14-block pool with swap preemption; greedy output checked against
+    transformers. Returns the engine for the caller's assertions on how it got there."""
     path, _ = tiny
     llm = LLM(path, dtype="float32", check_integrity=True, block_size=8, num_gpu_blocks_override=14,
-              max_model_len=96, max_num_batched_tokens=64, preemption_mode="swap", swap_space=0.01)
-    rng = random.Random(3)
+              max_model_len=96, max_num_batched_tokens=64, preemption_mode="swap", swap_space=swap_space)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in [40, 33, 25, 50, 9, 44]]
     outs = llm.generate(prompts, greedy(30), use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == ref(p, 30)
+    return llm
+
+
+def test_swap_preemption_matches_reference(tiny, ref):
+    llm = _swap_run(tiny, ref, seed=3, swap_space=0.01)
     s = llm.engine.get_stats()
     assert s.num_preemptions > 0 and s.num_swapped_preemptions > 0
     assert s.tier_hits["host"] > 0 and s.resume_prefix_cache_hits > 0
@@ -296,15 +303,7 @@ def test_swap_preemption_matches_reference(tiny, ref):
 
 
 def test_swap_falls_back_to_recompute_when_host_is_full(tiny, ref):
-    path, _ = tiny
-    llm = LLM(path, dtype="float32", check_integrity=True, block_size=8, num_gpu_blocks_override=14,
-              max_model_len=96, max_num_batched_tokens=64, preemption_mode="swap",
-              swap_space=4000 / 2**30)  # room for about one block
-    rng = random.Random(4)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in [40, 33, 25, 50, 9, 44]]
-    outs = llm.generate(prompts, greedy(30), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == ref(p, 30)
+    llm = _swap_run(tiny, ref, seed=4, swap_space=4000 / 2**30)  # room for about one block
     s = llm.engine.get_stats()
     assert s.num_preemptions > 0 and s.num_swap_fallbacks > 0
 

@@ -52,9 +52,6 @@ class _Stream:
     # event-loop work per token, which on a small CPU competes with the engine's forward.
     final_only: bool = False
 
-    def put(self, item: Any) -> None:
-        _deliver([(self, item)])
-
 
 def _put_all(items: list[tuple[_Stream, Any]]) -> None:
     for stream, item in items:

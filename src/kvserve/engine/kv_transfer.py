@@ -49,10 +49,11 @@ class KVTransfer:
             probe, layout = probe[:-len(self._open_layout)], layout[:-len(self._open_layout)]
         self._layout = layout
         chain.decode = self.decode
-        chain.entry_bytes = packed_size([t[0] for t in probe])
+        block = [t[0] for t in probe]
+        chain.entry_bytes = packed_size(block)
         if self._open_layout:
             open_state = [torch.empty(shape, dtype=dtype) for shape, dtype in self._open_layout]
-            chain.open_extra_bytes = packed_size([t[0] for t in probe] + open_state) - chain.entry_bytes
+            chain.open_extra_bytes = packed_size(block + open_state) - chain.entry_bytes
         self._written: OrderedDict[bytes, None] = OrderedDict()
 
     def decode(self, payload: memoryview) -> list[torch.Tensor]:

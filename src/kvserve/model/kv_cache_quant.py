@@ -38,6 +38,11 @@ def _residual_state_bytes(model_config: ModelConfig, block_size: int, model_dtyp
     return model_config.num_hidden_layers * (per_layer + block_size)  # + the fill mask (bool)
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 storage as its bytes (uint8), for moving whole blocks unchanged; other storage as is."""
+    return t.view(torch.uint8) if t.dtype in quant.FP8_DTYPES.values() else t
+
+
 class QuantizedKVCache(KVCache):
     """Shared machinery: named storage fields, the residual pool, write / gather / copy."""
 
@@ -200,7 +205,7 @@ class QuantizedKVCache(KVCache):
         self.check_block_ids(ids)
         out = []
         for t in self.fields.values():
-            raw = t.view(torch.uint8) if t.dtype in quant.FP8_DTYPES.values() else t
+            raw = _raw(t)
             out.append(raw.index_select(1, ids).movedim(1, 0).contiguous().view(t.dtype))
         if not self.staged:
             return out
@@ -227,7 +232,7 @@ class QuantizedKVCache(KVCache):
             raise ValueError(f"{type(self).__name__}.write_blocks takes {' or '.join(map(str, expect))} "
                              f"tensors (read_blocks' output), got {len(data)}")
         for t, x in zip(self.fields.values(), data):
-            raw = t.view(torch.uint8) if t.dtype in quant.FP8_DTYPES.values() else t
+            raw = _raw(t)
             raw[:, ids] = x.to(self.device).view(raw.dtype).movedim(0, 1)
         if not self.staged:
             return
