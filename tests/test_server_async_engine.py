@@ -142,3 +142,40 @@ def test_failing_step_fails_in_flight_requests_and_keeps_serving(llm, monkeypatc
         outs = [o async for o in llm.generate("This one is fine", greedy(4), "survivor")]
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
     asyncio.run(main())
+
+
+def test_engine_is_built_on_the_thread_that_steps_it(monkeypatch):
+    """One OpenMP team only: the model's load and warm-up run on the loop thread, not the caller's
+    (two teams on a small machine throttle libgomp's spin-wait; bench/NOTES.md, server mode)."""
+    import threading
+
+    from kvserve.engine.engine import LLMEngine
+    built_on: list[int] = []
+    real = LLMEngine.from_engine_args.__func__
+
+    def recording(cls, args):
+        built_on.append(threading.get_ident())
+        return real(cls, args)
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(recording))
+    llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=128, num_gpu_blocks_override=16))
+    try:
+        assert llm.is_running
+        assert built_on == [llm._thread.ident] and built_on[0] != threading.get_ident()
+        out = asyncio.run(_collect(llm, "Hi", greedy(3)))
+        assert out[-1].finished and len(out[-1].outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+    assert not llm.is_running
+
+
+def test_engine_build_errors_reach_the_caller():
+    import threading
+    before = set(threading.enumerate())
+    with pytest.raises(Exception, match="max_model_len|max-model-len"):
+        AsyncLLM.from_engine_args(EngineArgs(max_model_len=10**9, num_gpu_blocks_override=16))
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "kvserve-engine"]
+
+
+async def _collect(llm: AsyncLLM, prompt, params) -> list:
+    return [out async for out in llm.generate(prompt, params, request_id="built-on-loop")]

@@ -115,12 +115,42 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args, step_listeners: list[StepListener] | None = None) -> "AsyncLLM":
+        """Build the engine on the thread that will step it, and start that thread's loop.
+
+        Why there: libgomp keeps one thread team per thread that ever ran a parallel region, and
+        once more OpenMP threads exist than CPUs it cuts its spin-wait from ~300k iterations to 1k,
+        so every barrier of every op sleeps and wakes through the kernel. Loading the model on the
+        main thread and stepping it on another left two teams (4 threads on a 2-core machine) and
+        made decode steps 1.3x slower than offline (bench/NOTES.md). Built here, the main thread
+        (the event loop, which runs no torch ops) never creates a team.
+        """
         from kvserve.engine.engine import LLMEngine
-        return cls(LLMEngine.from_engine_args(args), step_listeners)
+        built: dict[str, Any] = {}
+        ready = threading.Event()
+
+        def build_then_run() -> None:
+            try:
+                llm = built["llm"] = cls(LLMEngine.from_engine_args(args), step_listeners)
+                llm._thread = threading.current_thread()
+            except BaseException as e:  # re-raised on the caller's thread
+                built["error"] = e
+                return
+            finally:
+                ready.set()
+            llm._run()
+
+        thread = threading.Thread(target=build_then_run, name="kvserve-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if "error" in built:
+            thread.join()
+            raise built["error"]
+        return built["llm"]
 
     # ----- lifecycle -----
 
     def start(self) -> None:
+        """Start the loop thread (a no-op for from_engine_args, whose thread already runs)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
             self._thread.start()
