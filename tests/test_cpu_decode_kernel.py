@@ -145,3 +145,64 @@ def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, wi
     ref = _reference_float64(cache, 1, meta, q, window, head_dim ** -0.5, heads, kv_heads)
     assert "varlen" in meta.backend_state  # the kernel ran, not the SDPA fallback
     torch.testing.assert_close(got, ref, atol=1.5e-2, rtol=0)
+
+
+# -- cascade: decodes sharing leading blocks attend to them together --
+
+@varlen_available
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 2, 128, 32), (8, 8, 64, 16)])
+def test_cascade_matches_float64_and_the_plain_pass(heads, kv_heads, head_dim, block_size):
+    """Two groups of decodes over shared prefixes (one of 40 members: more than a phase-1 tile of
+    16), a pair sharing only the start of one of them, an unrelated decode and prefill chunks reading the shared
+    prefix too. The shared blocks are physically the same blocks, as prefix caching makes them."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    next_id = iter(rng.sample(range(4000), 4000))
+    shared_a = [next(next_id) for _ in range(1040 // block_size)]  # 1,040 tokens' worth
+    shared_b = [next(next_id) for _ in range(160 // block_size)]
+    tables, seq_lens, query_lens = [], [], []
+
+    def add(prefix, own_tokens, q):
+        total = len(prefix) * block_size + own_tokens
+        tables.append(prefix + [next(next_id) for _ in range(-(-own_tokens // block_size))])
+        seq_lens.append(total)
+        query_lens.append(q)
+
+    for i in range(40):
+        add(shared_a, 1 + (7 * i) % 60, 1)  # decodes, own tails of 1..60 tokens
+    for i in range(6):
+        add(shared_b, 1 + i, 1)
+    for i in range(2):
+        add(shared_a[:8], 3, 1)  # shares 8 blocks with group a: joins it at a shorter prefix
+    add([], 300, 1)  # no sharing
+    add(shared_a, 40, 40)  # prefill chunk over the shared prefix (not a cascade member)
+    add([], 50, 50)  # fresh prompt
+    num_blocks = 4000
+    cache = PagedKVCache(cfg(heads, kv_heads, head_dim), num_blocks=num_blocks, block_size=block_size,
+                         dtype=torch.bfloat16)
+    cache.kv.copy_(torch.randn_like(cache.kv, dtype=torch.float32).bfloat16())
+    start = [n - q for n, q in zip(seq_lens, query_lens)]
+    meta = build_attention_metadata(start, query_lens, tables, block_size)
+    q = torch.randn(meta.num_tokens, heads, head_dim).bfloat16()
+    # K/V of this step's tokens: what is already in their slots (so every pass reads the same).
+    slots = meta.slot_mapping
+    k_new = cache.layer_blocks(1)[0].flatten(0, 1)[slots].clone()
+    v_new = cache.layer_blocks(1)[1].flatten(0, 1)[slots].clone()
+    outs = {}
+    for cascade in (True, False):
+        meta.backend_state.clear()
+        backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=cascade)
+        outs[cascade] = backend.forward(1, q, k_new, v_new, cache, meta).double()
+        groups = meta.backend_state["varlen"].groups
+        if cascade:
+            # The pair sharing only group a's first 8 blocks stays out: 39 * 65 blocks saved by
+            # the long group beat 41 * 8 by one group over the short common part.
+            assert sorted(groups.prefix_len.tolist()) == [len(shared_b) * block_size, len(shared_a) * block_size]
+            assert len(groups.members) == 40 + 6
+        else:
+            assert groups.num_groups == 0
+    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads)
+    torch.testing.assert_close(outs[True], ref, atol=1.5e-2, rtol=0)
+    # The split pass re-associates the softmax sums only: far closer to the plain pass than to
+    # the tolerance (the outputs are bf16: one ulp at |o| ~ 1 is 2^-7).
+    torch.testing.assert_close(outs[True], outs[False], atol=8e-3, rtol=0)

@@ -46,11 +46,12 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, 
              ctypes.c_int]
 
 # q, out, q_start, q_len, q_stride, out_stride, k, v, block_tables, bt_stride, seq_lens, n, hq,
-# hkv, block_size, scale, window
+# hkv, block_size, scale, window, ngroups, group_start, group_members, group_prefix
 _VARLEN_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                    ctypes.c_float, ctypes.c_int64]
+                    ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_void_p]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

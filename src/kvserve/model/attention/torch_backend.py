@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.model.attention.cascade import NO_GROUPS, PrefixGroups, shared_prefix_groups
 from kvserve.model.attention.cpu_kernel import decode_kernel_for, varlen_kernel_for
 from kvserve.model.kv_cache import KVCache, PagedKVCache
 
@@ -48,6 +49,7 @@ class _VarlenPlan:  # every sequence of the step, as the varlen kernel takes the
     q_len: torch.Tensor  # [S]
     block_tables: torch.Tensor  # [S, max_blocks]
     seq_lens: torch.Tensor  # [S]
+    groups: PrefixGroups  # decodes sharing leading blocks, attended to them together (cascade.py)
 
 
 @dataclass
@@ -59,10 +61,12 @@ class _KernelDecodePlan:
 
 class TorchAttentionBackend(AttentionBackend):
 
-    def __init__(self, *args, use_cpu_kernel: bool = True, **kwargs) -> None:
-        """`use_cpu_kernel=False` keeps every decode on the SDPA path (reference for tests)."""
+    def __init__(self, *args, use_cpu_kernel: bool = True, cascade: bool = True, **kwargs) -> None:
+        """`use_cpu_kernel=False` keeps every decode on the SDPA path (reference for tests);
+        `cascade=False` has the varlen kernel read shared prefixes once per sequence."""
         super().__init__(*args, **kwargs)
         self.use_cpu_kernel = use_cpu_kernel
+        self.cascade = cascade
         self._kernels: dict[tuple[str, torch.dtype, torch.device], object] = {}
 
     def _kernel(self, kind: str, q: torch.Tensor, kv_cache: KVCache):
@@ -117,9 +121,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _varlen_plan(self, meta: AttentionMetadata) -> _VarlenPlan:
         if "varlen" not in meta.backend_state:
             qsl = meta.query_start_loc
+            tables = meta.block_tables.contiguous()
+            groups = NO_GROUPS
+            if self.cascade and self.sliding_window is None and meta.num_decodes:
+                groups = shared_prefix_groups(tables.numpy(), np.asarray(meta.seq_lens),
+                                              np.asarray(meta.query_lens), meta.block_size)
             meta.backend_state["varlen"] = _VarlenPlan(
                 torch.tensor(qsl[:-1], dtype=torch.int64), torch.tensor(meta.query_lens, dtype=torch.int64),
-                meta.block_tables.contiguous(), meta.seq_lens_tensor.contiguous())
+                tables, meta.seq_lens_tensor.contiguous(), groups)
         return meta.backend_state["varlen"]
 
     def _first_visible_block(self, first_query_pos: int, block_size: int) -> int:
@@ -198,7 +207,9 @@ class TorchAttentionBackend(AttentionBackend):
                     q.stride(0), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                     plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr(),
                     plan.q_len.numel(), self.num_heads, self.num_kv_heads, kv_cache.block_size,
-                    self.scale, self.sliding_window or 0)
+                    self.scale, self.sliding_window or 0, plan.groups.num_groups,
+                    plan.groups.start.ctypes.data, plan.groups.members.ctypes.data,
+                    plan.groups.prefix_len.ctypes.data)
         if rc != 0:
             raise RuntimeError("paged_attention_bf16 kernel has no instance for this build")
 

@@ -131,14 +131,20 @@ inline void for_row_groups(int rows, F f) {
     }
 }
 
-// One work item. kt: scratch [CHUNK/16][NP][16] uint32 (transposed K chunk); vp: [CHUNK/2][NV] (interleaved
-// V pairs); acc: [rows][DH] float; pb: [rows][CHUNK] bf16 probabilities.
+// One work item: `ntok` query tokens (rows qrow[], positions qpos[]) of K/V head h against the keys
+// at positions [key_begin, key_end) of `table` (further limited by causality and the window).
+// mode NORMAL starts from an empty softmax state and writes the normalised output; STORE starts
+// empty and saves the raw state (m, l, acc) of every row to state[token]; LOAD resumes from that
+// state and writes the output. kt: scratch [CHUNK/16][NP][16] uint32 (transposed K chunk); vp:
+// [CHUNK/2][NV] (interleaved V pairs); acc: [rows][DH] float; pb: [rows][CHUNK] bf16 probabilities.
+enum Mode { NORMAL = 0, STORE = 1, LOAD = 2 };
+
 template <int DH>
-void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int64_t q_stride,
-                 int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
-                 const int64_t* table, int64_t pos0, int64_t seq_len, int h, int g, int hkv, int bs,
-                 float scale, int64_t window, __m512i* kt, __m512i* vp, float* acc, float* m,
-                 float* l, float* alpha, float* sc, uint16_t* pb) {
+void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t* qpos, int ntok,
+                 int64_t q_stride, int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                 const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int hkv, int bs,
+                 float scale, int64_t window, Mode mode, float* const* state, __m512i* kt, __m512i* vp,
+                 float* acc, float* m, float* l, float* alpha, float* sc, uint16_t* pb) {
     constexpr int NP = DH / 2, NV = DH / 16;
     const int rows = ntok * g;
     const int64_t tok_stride = (int64_t)hkv * DH;
@@ -146,24 +152,30 @@ void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int
     // the softmax scale is applied to the float32 scores (no extra bf16 rounding of q).
     std::vector<uint32_t> qp((size_t)rows * NP);
     for (int tq = 0; tq < ntok; ++tq) {
-        const uint16_t* src = q + (q_row0 + tq) * q_stride + (int64_t)h * g * DH;
+        const uint16_t* src = q + qrow[tq] * q_stride + (int64_t)h * g * DH;
         memcpy(&qp[(size_t)tq * g * NP], src, (size_t)g * DH * 2);
     }
-    for (int r = 0; r < rows; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
-    memset(acc, 0, sizeof(float) * rows * DH);
-    const int64_t last_pos = pos0 + ntok - 1;  // position of the tile's last query
-    int64_t first_key = 0;
-    if (window > 0) first_key = std::max<int64_t>(0, pos0 - window + 1);
-    first_key -= first_key % CHUNK;
+    // State of row r (token r / g, head h * g + r % g): m, l, then acc in the kernel's lane order.
+    auto row_state = [&](int r) { return state[r / g] + (int64_t)(h * g + r % g) * (DH + 2); };
+    if (mode == LOAD) {
+        for (int r = 0; r < rows; ++r) {
+            const float* st = row_state(r);
+            m[r] = st[0]; l[r] = st[1];
+            memcpy(acc + (size_t)r * DH, st + 2, sizeof(float) * DH);
+        }
+    } else {
+        for (int r = 0; r < rows; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
+        memset(acc, 0, sizeof(float) * rows * DH);
+    }
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int64_t kp0 = first_key; kp0 <= last_pos; kp0 += CHUNK) {
-        const int nvalid = (int)std::min<int64_t>(CHUNK, last_pos + 1 - kp0);
-        // Stage K transposed and V pair-interleaved; keys past the tile's last position are zero
+    const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
+    for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
+        // Stage K transposed and V pair-interleaved; keys outside [key_begin, key_end) are zero
         // (never read as garbage: uninitialised slots may hold NaN bit patterns).
         const uint16_t* krow[CHUNK];
         const uint16_t* vrow[CHUNK];
         for (int t = 0; t < CHUNK; ++t) {
-            if (t < nvalid) {
+            if (kp0 + t >= key_begin && kp0 + t < key_end) {
                 const int64_t p = kp0 + t;
                 const int64_t off = (table[p / bs] * bs + p % bs) * tok_stride + (int64_t)h * DH;
                 krow[t] = k_cache + off;
@@ -174,7 +186,7 @@ void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int
         }
         // Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for
         // the next chunk's rows of this head while this chunk is being used.
-        for (int64_t p = kp0 + CHUNK; p < std::min<int64_t>(kp0 + 2 * CHUNK, last_pos + 1); ++p) {
+        for (int64_t p = kp0 + CHUNK; p < std::min<int64_t>(kp0 + 2 * CHUNK, key_end); ++p) {
             const int64_t off = (table[p / bs] * bs + p % bs) * tok_stride + (int64_t)h * DH;
             for (int c = 0; c < DH * 2; c += 64) {
                 __builtin_prefetch((const char*)(k_cache + off) + c);
@@ -208,12 +220,14 @@ void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int
                 qk_rows<decltype(R)::value, NP>(kt + half * NP, &qp[(size_t)r0 * NP], sc + r0 * CHUNK + 16 * half);
             });
         const __m512i kpos1 = _mm512_add_epi32(kpos, _mm512_set1_epi32(16));
+        const __mmask16 in0 = _mm512_cmpge_epi32_mask(kpos, vbegin) & _mm512_cmplt_epi32_mask(kpos, vend);
+        const __mmask16 in1 = _mm512_cmpge_epi32_mask(kpos1, vbegin) & _mm512_cmplt_epi32_mask(kpos1, vend);
         for (int r = 0; r < rows; ++r) {
-            const int64_t qpos = pos0 + r / g;
-            const __m512i qv = _mm512_set1_epi32((int)qpos);
-            __mmask16 vis0 = _mm512_cmple_epi32_mask(kpos, qv), vis1 = _mm512_cmple_epi32_mask(kpos1, qv);
+            const int64_t pos = qpos[r / g];
+            const __m512i qv = _mm512_set1_epi32((int)pos);
+            __mmask16 vis0 = in0 & _mm512_cmple_epi32_mask(kpos, qv), vis1 = in1 & _mm512_cmple_epi32_mask(kpos1, qv);
             if (window > 0) {
-                const __m512i lo = _mm512_set1_epi32((int)(qpos - window));
+                const __m512i lo = _mm512_set1_epi32((int)(pos - window));
                 vis0 &= _mm512_cmpgt_epi32_mask(kpos, lo);
                 vis1 &= _mm512_cmpgt_epi32_mask(kpos1, lo);
             }
@@ -239,6 +253,14 @@ void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int
             pv_rows<decltype(R)::value, NV>(vp, &pb[r0 * CHUNK], &alpha[r0], acc + (size_t)r0 * DH);
         });
     }
+    if (mode == STORE) {
+        for (int r = 0; r < rows; ++r) {
+            float* st = row_state(r);
+            st[0] = m[r]; st[1] = l[r];
+            memcpy(st + 2, acc + (size_t)r * DH, sizeof(float) * DH);
+        }
+        return;
+    }
     // Undo the unpack's lane order: register 2c+hi, float lane 4L+w holds d = 32c + 8L + 4hi + w.
     for (int r = 0; r < rows; ++r) {
         float ordered[DH];
@@ -250,21 +272,45 @@ void attend_item(const uint16_t* q, uint16_t* out, int64_t q_row0, int ntok, int
                     for (int w = 0; w < 4; ++w)
                         ordered[32 * c + 8 * L + 4 * hi + w] = ar[(2 * c + hi) * 16 + 4 * L + w] * inv;
         const int tq = r / g, j = r % g;
-        uint16_t* dst = out + (q_row0 + tq) * out_stride + ((int64_t)h * g + j) * DH;
+        uint16_t* dst = out + qrow[tq] * out_stride + ((int64_t)h * g + j) * DH;
         for (int c = 0; c < DH / 16; ++c)
             _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(ordered + 16 * c)));
     }
 }
 
 struct WorkItem { int seq; int h; int tok0; int ntok; };
+struct PrefixItem { int group; int h; int member0; int nmembers; };
 
+// Cascade ("shared prefix") decoding: decodes whose block tables start with the same physical
+// blocks form a group; group i's members are group_members[group_start[i] .. group_start[i+1])
+// and share group_prefix[i] keys. Phase 1 attends every member's query rows to the shared keys
+// together (a staged key chunk serves up to TILE x g rows instead of g), saving each row's
+// softmax state; phase 2 resumes each member from that state over its own keys. Same result as
+// one pass (online softmax is order independent up to float rounding), far less K/V traffic.
 template <int DH>
 void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, const int64_t* q_len,
                      int64_t q_stride, int64_t out_stride, const uint16_t* k_cache,
                      const uint16_t* v_cache, const int64_t* block_tables, int64_t bt_stride,
                      const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale,
-                     int64_t window) {
+                     int64_t window, int ngroups, const int64_t* group_start,
+                     const int64_t* group_members, const int64_t* group_prefix) {
     const int g = hq / hkv;
+    // prefix_of[i]: keys of sequence i attended in phase 1 (0: none); slot_of[i]: its state slot.
+    std::vector<int64_t> prefix_of(n, 0);
+    std::vector<int> slot_of(n, -1);
+    std::vector<PrefixItem> pitems;
+    int nslots = 0;
+    for (int gi = 0; gi < ngroups; ++gi) {
+        for (int64_t j = group_start[gi]; j < group_start[gi + 1]; ++j) {
+            prefix_of[group_members[j]] = group_prefix[gi];
+            slot_of[group_members[j]] = nslots++;
+        }
+        const int size = (int)(group_start[gi + 1] - group_start[gi]);
+        for (int m0 = 0; m0 < size; m0 += TILE)
+            for (int h = 0; h < hkv; ++h)
+                pitems.push_back({gi, h, m0, std::min(TILE, size - m0)});
+    }
+    std::vector<float> states((size_t)nslots * hq * (DH + 2));
     std::vector<WorkItem> items;
     for (int i = 0; i < n; ++i)
         for (int t0 = 0; t0 < q_len[i]; t0 += TILE)
@@ -272,7 +318,9 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
                 items.push_back({i, h, t0, (int)std::min<int64_t>(TILE, q_len[i] - t0)});
     // Costliest items first (prefill tiles over long contexts) so the dynamic schedule ends with
     // small ones and threads finish together.
-    auto cost = [&](const WorkItem& it) { return (int64_t)it.ntok * (seq_lens[it.seq] - q_len[it.seq] + it.tok0 + it.ntok); };
+    auto cost = [&](const WorkItem& it) {
+        return (int64_t)it.ntok * (seq_lens[it.seq] - q_len[it.seq] + it.tok0 + it.ntok - prefix_of[it.seq]);
+    };
     std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
     #pragma omp parallel
     {
@@ -281,14 +329,44 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
         std::vector<float> acc((size_t)TILE * g * DH), m(TILE * g), l(TILE * g), alpha(TILE * g);
         float* sc = (float*)aligned_alloc(64, sizeof(float) * TILE * g * CHUNK);
         std::vector<uint16_t> pb((size_t)TILE * g * CHUNK);
+        int64_t qrow[TILE], qpos[TILE];
+        float* state[TILE];
         #pragma omp for schedule(dynamic, 1)
-        for (size_t w = 0; w < items.size(); ++w) {
+        for (size_t w = 0; w < pitems.size(); ++w) {  // phase 1: shared prefixes
+            const PrefixItem& it = pitems[w];
+            const int64_t* members = group_members + group_start[it.group] + it.member0;
+            for (int j = 0; j < it.nmembers; ++j) {
+                const int64_t i = members[j];
+                qrow[j] = q_start[i];
+                qpos[j] = seq_lens[i] - 1;
+                state[j] = states.data() + (size_t)slot_of[i] * hq * (DH + 2);
+            }
+            attend_item<DH>(q, out, qrow, qpos, it.nmembers, q_stride, out_stride, k_cache, v_cache,
+                            block_tables + members[0] * bt_stride, 0, group_prefix[it.group], it.h, g,
+                            hkv, bs, scale, 0, STORE, state, kt, vp, acc.data(), m.data(), l.data(),
+                            alpha.data(), sc, pb.data());
+        }  // implicit barrier: every saved state is complete before phase 2 reads it
+        #pragma omp for schedule(dynamic, 1)
+        for (size_t w = 0; w < items.size(); ++w) {  // phase 2: everything else
             const WorkItem& it = items[w];
             const int64_t pos0 = seq_lens[it.seq] - q_len[it.seq] + it.tok0;
-            attend_item<DH>(q, out, q_start[it.seq] + it.tok0, it.ntok, q_stride, out_stride,
-                            k_cache, v_cache, block_tables + (int64_t)it.seq * bt_stride, pos0,
-                            seq_lens[it.seq], it.h, g, hkv, bs, scale, window, kt, vp, acc.data(),
-                            m.data(), l.data(), alpha.data(), sc, pb.data());
+            for (int j = 0; j < it.ntok; ++j) {
+                qrow[j] = q_start[it.seq] + it.tok0 + j;
+                qpos[j] = pos0 + j;
+            }
+            int64_t key_begin = 0;
+            Mode mode = NORMAL;
+            if (slot_of[it.seq] >= 0) {  // a decode whose prefix phase 1 covered
+                key_begin = prefix_of[it.seq];
+                mode = LOAD;
+                state[0] = states.data() + (size_t)slot_of[it.seq] * hq * (DH + 2);
+            } else if (window > 0) {
+                key_begin = std::max<int64_t>(0, pos0 - window + 1);
+            }
+            attend_item<DH>(q, out, qrow, qpos, it.ntok, q_stride, out_stride, k_cache, v_cache,
+                            block_tables + (int64_t)it.seq * bt_stride, key_begin, pos0 + it.ntok, it.h,
+                            g, hkv, bs, scale, window, mode, state, kt, vp, acc.data(), m.data(),
+                            l.data(), alpha.data(), sc, pb.data());
         }
         free(sc);
     }
@@ -310,18 +388,19 @@ extern "C" int paged_attention_bf16_available() {
 extern "C" int NAME(const void* q, void* out, const int64_t* q_start, const int64_t* q_len, \
                     int64_t q_stride, int64_t out_stride, const void* k, const void* v, \
                     const int64_t* bt, int64_t bt_stride, const int64_t* seq_lens, int n, int hq, \
-                    int hkv, int bs, float scale, int64_t window)
+                    int hkv, int bs, float scale, int64_t window, int ngroups, \
+                    const int64_t* group_start, const int64_t* group_members, const int64_t* group_prefix)
 #ifdef KVS_HAVE_BF16
 PA_ENTRY(paged_attention_bf16_d64, 64) {
     paged_attention<64>((const uint16_t*)q, (uint16_t*)out, q_start, q_len, q_stride, out_stride,
                         (const uint16_t*)k, (const uint16_t*)v, bt, bt_stride, seq_lens, n, hq, hkv,
-                        bs, scale, window);
+                        bs, scale, window, ngroups, group_start, group_members, group_prefix);
     return 0;
 }
 PA_ENTRY(paged_attention_bf16_d128, 128) {
     paged_attention<128>((const uint16_t*)q, (uint16_t*)out, q_start, q_len, q_stride, out_stride,
                          (const uint16_t*)k, (const uint16_t*)v, bt, bt_stride, seq_lens, n, hq, hkv,
-                         bs, scale, window);
+                         bs, scale, window, ngroups, group_start, group_members, group_prefix);
     return 0;
 }
 #else
