@@ -206,3 +206,46 @@ def test_cascade_matches_float64_and_the_plain_pass(heads, kv_heads, head_dim, b
     # The split pass re-associates the softmax sums only: far closer to the plain pass than to
     # the tolerance (the outputs are bf16: one ulp at |o| ~ 1 is 2^-7).
     torch.testing.assert_close(outs[True], outs[False], atol=8e-3, rtol=0)
+
+
+@varlen_available
+def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
+    """The embedded model in bf16 with prefix caching: decodes behind a shared 256-token prefix
+    are grouped in real steps, and greedy output is the same with cascade on and off up to bf16
+    near-ties. Random-token prompts make flat distributions where two logits one bf16 ulp apart
+    (0.125 at |logit| ~ 4-8) are common, and re-associated softmax sums may flip such a pair:
+    wherever the two runs first differ, each run's choice must be within 2 ulps of the other's."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.attention import torch_backend
+
+    seen: list[int] = []
+    real = torch_backend.shared_prefix_groups
+
+    def spy(*args, **kwargs):
+        groups = real(*args, **kwargs)
+        seen.append(groups.num_groups)
+        return groups
+
+    monkeypatch.setattr(torch_backend, "shared_prefix_groups", spy)
+    llm = LLM(None, dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 2**20)
+    rng = random.Random(9)
+    prefix = [rng.randrange(49152) for _ in range(256)]
+    prompts = [prefix + [rng.randrange(49152) for _ in range(8)] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    runs = {}
+    for cascade in (True, False):
+        llm.engine.runner.model.attn.cascade = cascade
+        llm.reset_prefix_cache()
+        runs[cascade] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert max(seen) >= 1  # some step attended a shared prefix as a group
+    identical = 0
+    for on, off in zip(runs[True], runs[False]):
+        i = next((i for i, (a, b) in enumerate(zip(on.token_ids, off.token_ids)) if a != b), None)
+        if i is None:
+            identical += 1
+            continue
+        for mine, other in ((on, off), (off, on)):  # same context up to i in both runs
+            top = mine.logprobs[i].top_logprobs
+            assert other.token_ids[i] in top, f"step {i}: {other.token_ids[i]} not in the top 5 {top}"
+            assert top[mine.token_ids[i]] - top[other.token_ids[i]] <= 0.25
+    assert identical >= 6
