@@ -219,22 +219,28 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
             for_row_groups(rows, [&](auto R, int r0) {
                 qk_rows<decltype(R)::value, NP>(kt + half * NP, &qp[(size_t)r0 * NP], sc + r0 * CHUNK + 16 * half);
             });
-        const __m512i kpos1 = _mm512_add_epi32(kpos, _mm512_set1_epi32(16));
-        const __mmask16 in0 = _mm512_cmpge_epi32_mask(kpos, vbegin) & _mm512_cmplt_epi32_mask(kpos, vend);
-        const __mmask16 in1 = _mm512_cmpge_epi32_mask(kpos1, vbegin) & _mm512_cmplt_epi32_mask(kpos1, vend);
+        constexpr int NR = CHUNK / 16;  // float32 registers of scores per row
+        __m512i kposv[NR];
+        __mmask16 in[NR];
+        for (int i = 0; i < NR; ++i) {
+            kposv[i] = _mm512_add_epi32(kpos, _mm512_set1_epi32(16 * i));
+            in[i] = _mm512_cmpge_epi32_mask(kposv[i], vbegin) & _mm512_cmplt_epi32_mask(kposv[i], vend);
+        }
+        const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
         for (int r = 0; r < rows; ++r) {
             const int64_t pos = qpos[r / g];
             const __m512i qv = _mm512_set1_epi32((int)pos);
-            __mmask16 vis0 = in0 & _mm512_cmple_epi32_mask(kpos, qv), vis1 = in1 & _mm512_cmple_epi32_mask(kpos1, qv);
-            if (window > 0) {
-                const __m512i lo = _mm512_set1_epi32((int)(pos - window));
-                vis0 &= _mm512_cmpgt_epi32_mask(kpos, lo);
-                vis1 &= _mm512_cmpgt_epi32_mask(kpos1, lo);
+            const __m512i lo = _mm512_set1_epi32((int)(pos - window));
+            __mmask16 vis[NR];
+            __m512 sv[NR];
+            __m512 vmax = ninf;
+            for (int i = 0; i < NR; ++i) {
+                vis[i] = in[i] & _mm512_cmple_epi32_mask(kposv[i], qv);
+                if (window > 0) vis[i] &= _mm512_cmpgt_epi32_mask(kposv[i], lo);
+                sv[i] = _mm512_mask_mov_ps(ninf, vis[i], _mm512_mul_ps(_mm512_load_ps(sc + r * CHUNK + 16 * i), vscale));
+                vmax = _mm512_max_ps(vmax, sv[i]);
             }
-            const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-            const __m512 s0 = _mm512_mask_mov_ps(ninf, vis0, _mm512_mul_ps(_mm512_load_ps(sc + r * CHUNK), vscale));
-            const __m512 s1 = _mm512_mask_mov_ps(ninf, vis1, _mm512_mul_ps(_mm512_load_ps(sc + r * CHUNK + 16), vscale));
-            const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            const float cmax = _mm512_reduce_max_ps(vmax);
             if (cmax == -INFINITY) {  // no visible key in this chunk: leave the row as it is
                 alpha[r] = 1.f;
                 memset(&pb[r * CHUNK], 0, CHUNK * sizeof(uint16_t));
@@ -243,11 +249,15 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
             const float mnew = cmax > m[r] ? cmax : m[r];
             alpha[r] = m[r] == -INFINITY ? 0.f : (mnew == m[r] ? 1.f : expf(m[r] - mnew));
             const __m512 vm = _mm512_set1_ps(mnew);
-            const __m512 p0 = _mm512_maskz_mov_ps(vis0, exp512(_mm512_sub_ps(s0, vm)));
-            const __m512 p1 = _mm512_maskz_mov_ps(vis1, exp512(_mm512_sub_ps(s1, vm)));
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            __m512 vsum = _mm512_setzero_ps();
+            for (int i = 0; i < NR; ++i) {
+                sv[i] = _mm512_maskz_mov_ps(vis[i], exp512(_mm512_sub_ps(sv[i], vm)));
+                vsum = _mm512_add_ps(vsum, sv[i]);
+            }
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(vsum);
             m[r] = mnew;
-            _mm512_storeu_si512((__m512i*)&pb[r * CHUNK], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            for (int i = 0; i < NR; i += 2)
+                _mm512_storeu_si512((__m512i*)&pb[r * CHUNK + 16 * i], (__m512i)_mm512_cvtne2ps_pbh(sv[i + 1], sv[i]));
         }
         for_row_groups(rows, [&](auto R, int r0) {
             pv_rows<decltype(R)::value, NV>(vp, &pb[r0 * CHUNK], &alpha[r0], acc + (size_t)r0 * DH);
