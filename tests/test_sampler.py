@@ -154,3 +154,18 @@ def test_rejects_mismatched_rows():
     with pytest.raises(ValueError, match="2 logits rows for 1 sampling rows"):
         Sampler()(torch.zeros(2, 4), [row(SamplingParams())])
     assert Sampler()(torch.zeros(0, 4), []) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_callers_logits_stay_intact(dtype):
+    """The runner reuses one float32 logits buffer step to step; bans and penalties must edit a
+    copy, never the caller's tensor (and plain greedy rows need no copy at all)."""
+    logits = torch.randn(3, 10).to(dtype)
+    before = logits.clone()
+    rows = [row(SamplingParams(temperature=0.0, min_tokens=5), "a", output=[1], eos=[2]),
+            row(SamplingParams(temperature=0.0, repetition_penalty=1.5), "b", output=[3]),
+            row(SamplingParams(temperature=0.0), "c")]
+    out = Sampler()(logits, rows)
+    assert torch.equal(logits, before)
+    assert out[0].token_id != 2
+    assert out[2].token_id == int(before[2].float().argmax())

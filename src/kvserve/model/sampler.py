@@ -107,20 +107,25 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if not rows:
             return []
+        given = logits
         logits = logits.float()
         n, vocab = logits.shape
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], -1) if lp_rows else None
 
-        x = logits.clone()
+        bans = []  # (row, token ids) that min_tokens forbids for now
         for i, r in enumerate(rows):
             p = r.params
             if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
                 banned = [t for t in {*r.eos_token_ids, *p.stop_token_ids} if 0 <= t < vocab]
                 if banned:
-                    x[i, banned] = float("-inf")
+                    bans.append((i, banned))
         pen = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
                or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+        # Edited in place below only when something edits it; the caller's tensor stays intact.
+        x = logits.clone() if (bans or pen) and logits is given else logits
+        for i, banned in bans:
+            x[i, banned] = float("-inf")
         if pen:
             sub = x[pen]
             apply_penalties(sub, [rows[i] for i in pen])

@@ -1,0 +1,98 @@
+"""Where a decode step's time goes at batch 64: the model forward vs everything else (issue 7:
+scheduling and bookkeeping under 10 % of step time).
+
+Runs the random workload's 64 requests (prompts 128-512 tokens) until all of them are decoding,
+then times --steps engine steps. "Model" is `LlamaModel.forward` plus `compute_logits`; the rest
+(scheduler, KV cache manager, step metadata, sampler, detokenizer, output objects) is everything
+`LLMEngine.step` does around them. `--cprofile` adds the top functions by own time (cProfile
+inflates the Python side, so its percentages overstate bookkeeping).
+
+    python bench/step_profile.py
+    python bench/step_profile.py --steps 50 --cprofile
+Prints a table and writes bench/results/step_profile.json.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from throughput import make_workloads  # noqa: E402
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--json", default=str(HERE / "results" / "step_profile.json"))
+    args = ap.parse_args(argv)
+
+    llm = LLM(None, dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=64)
+    engine, model = llm.engine, llm.engine.runner.model
+    prompts, _ = make_workloads(64, 49152)["random"]
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 40, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    while not (len(engine.scheduler.running) == 64
+               and all(len(r.output_token_ids) >= 2 for r in engine.scheduler.running)):
+        engine.step()
+
+    in_model = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                in_model[0] += time.perf_counter() - t
+        return wrapper
+
+    model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
+    prof = cProfile.Profile() if args.cprofile else None
+    batch = []
+    t = time.perf_counter()
+    if prof:
+        prof.enable()
+    for _ in range(args.steps):
+        batch.append(len(engine.scheduler.running))
+        engine.step()
+    if prof:
+        prof.disable()
+    total = time.perf_counter() - t
+    rest = total - in_model[0]
+    stats = engine.get_stats()
+    result = {"steps": args.steps, "mean_batch": sum(batch) / len(batch), "ms_per_step": total / args.steps * 1e3,
+              "model_ms_per_step": in_model[0] / args.steps * 1e3, "other_ms_per_step": rest / args.steps * 1e3,
+              "other_share": rest / total, "token_occupancy": getattr(stats, "token_occupancy", None),
+              "cprofile": bool(prof)}
+    print(f"\n{args.steps} decode steps, mean batch {result['mean_batch']:.1f}, {args.dtype}"
+          f"{' (under cProfile)' if prof else ''}")
+    print(f"{'step ms':>8} {'model ms':>9} {'other ms':>9} {'other share':>12} {'KV occupancy':>13}")
+    occ = result["token_occupancy"]
+    print(f"{result['ms_per_step']:>8.1f} {result['model_ms_per_step']:>9.1f} {result['other_ms_per_step']:>9.2f} "
+          f"{result['other_share'] * 100:>11.1f}% {occ if occ is None else f'{occ:.3f}':>13}")
+    if prof:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+        print(out.getvalue())
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
