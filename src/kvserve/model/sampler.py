@@ -122,7 +122,7 @@ class Sampler:
                     bans.append((i, banned))
         pen = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
                or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
-        # Edited in place below only when something edits it; the caller's tensor stays intact.
+        # A private copy only when bans or penalties will edit it: the caller's logits stay intact.
         x = logits.clone() if (bans or pen) and logits is given else logits
         for i, banned in bans:
             x[i, banned] = float("-inf")
