@@ -238,6 +238,12 @@ def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
         llm.reset_prefix_cache()
         runs[cascade] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert max(seen) >= 1  # some step attended a shared prefix as a group
+    # --disable-cascade-attn reaches the backend: the same path as cascade off, no groups formed.
+    seen.clear()
+    off = LLM(None, dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 2**20, disable_cascade_attn=True)
+    assert off.engine.runner.model.attn.cascade is False
+    flagged = [o.outputs[0] for o in off.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in flagged] == [o.token_ids for o in runs[False]] and max(seen, default=0) == 0
     identical = 0
     for on, off in zip(runs[True], runs[False]):
         i = next((i for i, (a, b) in enumerate(zip(on.token_ids, off.token_ids)) if a != b), None)

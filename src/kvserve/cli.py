@@ -37,6 +37,8 @@ _HELP = {
     "device": "where the model runs",
     "seed": "engine-wide random seed (per-request `seed` overrides it)",
     "attention_backend": "attention kernels: torch (portable) or triton (CUDA)",
+    "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
+                            "per group (cascade attention, CPU bf16 kernel; on by default)",
     "served_model_name": "name(s) clients send as `model` (default: the model path)",
     "max_model_len": "context length: prompt + output tokens per request (default: the model's)",
     "block_size": "tokens per KV block",

@@ -76,6 +76,9 @@ class EngineArgs:
     disable_log_stats: bool = False
     max_logprobs: int = 20
     attention_backend: str = "auto"  # auto | torch | triton
+    # vLLM's flag: attend shared prefixes per sequence instead of once per group of decodes
+    # (kvserve's cascade runs in the CPU bf16 kernel; see model/attention/cascade.py).
+    disable_cascade_attn: bool = False
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -24,7 +24,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype, device: torch.device | str, block_size: int, num_blocks: int,
                  kv_cache_dtype: str = "auto", seed: int = 0,
-                 kv_cache_options: dict | None = None, attention_backend: str = "auto") -> None:
+                 kv_cache_options: dict | None = None, attention_backend: str = "auto",
+                 cascade_attn: bool = True) -> None:
         """`kv_cache_options` pass through to the cache class (quantized caches:
         num_residual_blocks, kv_scales, ...); see kvserve.model.kv_cache_fp8 / kv_cache_int."""
         self.model_config = model_config
@@ -33,7 +34,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.model = LlamaModel(model_config, weights, dtype, self.device, attention_backend=select_attention_backend(
-            attention_backend, model_config, self.device))
+            attention_backend, model_config, self.device, cascade=cascade_attn))
         self.kv_cache = create_kv_cache(model_config, num_blocks=num_blocks, block_size=block_size,
                                         kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=self.device,
                                         **(kv_cache_options or {}))

@@ -123,7 +123,7 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     runner = ModelRunner(cfg, loaded.weights, dtype=dtype, device=device, block_size=args.block_size,
                          num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                          kv_cache_options=_kv_cache_options(args, cfg, loaded.weights),
-                         attention_backend=args.attention_backend)
+                         attention_backend=args.attention_backend, cascade_attn=not args.disable_cascade_attn)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
                 "maximum concurrency for %d tokens per request: %.2fx",
                 budget.num_blocks, args.block_size, budget.num_tokens,

@@ -264,10 +264,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def select_attention_backend(name: str, model_config: ModelConfig, device: torch.device | str
-                             ) -> AttentionBackend:
+def select_attention_backend(name: str, model_config: ModelConfig, device: torch.device | str,
+                             cascade: bool = True) -> AttentionBackend:
     """`--attention-backend` -> backend instance. "auto": triton on a CUDA device when triton is
-    installed, torch otherwise."""
+    installed, torch otherwise. `cascade` (off: --disable-cascade-attn) applies to the torch
+    backend's CPU kernel; the Triton kernels have no cascade path yet."""
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} "
                           f"(got {name!r})")
@@ -278,5 +279,5 @@ def select_attention_backend(name: str, model_config: ModelConfig, device: torch
         use_triton = dev.type == "cuda" and triton_support(dev).mode == "cuda"
         name = "triton" if use_triton else "torch"
     if name == "torch":
-        return TorchAttentionBackend(*args, sliding_window=c.sliding_window)
+        return TorchAttentionBackend(*args, sliding_window=c.sliding_window, cascade=cascade)
     return TritonAttentionBackend(*args, sliding_window=c.sliding_window, device=device)
