@@ -73,17 +73,15 @@ def main(argv=None) -> int:
         prof.disable()
     total = time.perf_counter() - t
     rest = total - in_model[0]
-    stats = engine.get_stats()
     result = {"steps": args.steps, "mean_batch": sum(batch) / len(batch), "ms_per_step": total / args.steps * 1e3,
               "model_ms_per_step": in_model[0] / args.steps * 1e3, "other_ms_per_step": rest / args.steps * 1e3,
-              "other_share": rest / total, "token_occupancy": getattr(stats, "token_occupancy", None),
+              "other_share": rest / total, "token_occupancy": engine.get_stats().token_occupancy,
               "cprofile": bool(prof)}
     print(f"\n{args.steps} decode steps, mean batch {result['mean_batch']:.1f}, {args.dtype}"
           f"{' (under cProfile)' if prof else ''}")
     print(f"{'step ms':>8} {'model ms':>9} {'other ms':>9} {'other share':>12} {'KV occupancy':>13}")
-    occ = result["token_occupancy"]
     print(f"{result['ms_per_step']:>8.1f} {result['model_ms_per_step']:>9.1f} {result['other_ms_per_step']:>9.2f} "
-          f"{result['other_share'] * 100:>11.1f}% {occ if occ is None else f'{occ:.3f}':>13}")
+          f"{result['other_share'] * 100:>11.1f}% {result['token_occupancy']:>13.3f}")
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
