@@ -47,13 +47,12 @@ def case(batch: int, prefix: int, own: int, threads: int, repeat: int, iters: in
     cfg = ModelConfig(architecture="llama", vocab_size=32, hidden_size=HEADS * HEAD_DIM, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                       head_dim=HEAD_DIM, max_position_embeddings=1 << 16)
-    cache = PagedKVCache(cfg, num_blocks=next_block, block_size=BS, dtype=torch.bfloat16)
+    cache = PagedKVCache(cfg, num_blocks=next_block, block_size=BS, dtype=torch.bfloat16, layout="pairs")
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=g).bfloat16())
     meta = build_attention_metadata([n - 1 for n in seq_lens], [1] * batch, tables, BS)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).bfloat16()
-    slots = meta.slot_mapping
-    k = cache.layer_blocks(0)[0].flatten(0, 1)[slots].clone()
-    v = cache.layer_blocks(0)[1].flatten(0, 1)[slots].clone()
+    k_all, v_all = cache.gather(0, torch.arange(next_block))
+    k, v = k_all[meta.slot_mapping], v_all[meta.slot_mapping]
     backends = {on: TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, scale=HEAD_DIM ** -0.5, cascade=on)
                 for on in (False, True)}
     best = {False: float("inf"), True: float("inf")}

@@ -27,6 +27,17 @@ def cfg(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
                        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096)
 
 
+def _layout(heads, kv_heads, head_dim, dtype, block_size, window=None):
+    """The layout the engine would build the cache in for this backend (what the kernels read)."""
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=1.0, sliding_window=window)
+    return backend.kv_cache_layout("auto", dtype, block_size, torch.device("cpu"))
+
+
+def _all_kv(cache, layer):
+    """K and V of every block of `layer`, token-major `[num_blocks * block_size, H, D]`."""
+    return cache.gather(layer, torch.arange(cache.num_blocks))
+
+
 def run_step(dtype, heads, kv_heads, head_dim, block_size, seq_lens, query_lens, window, seed):
     """One mixed step (decodes and prefill chunks) with K/V history already in scattered blocks."""
     rng = random.Random(seed)
@@ -40,7 +51,7 @@ def run_step(dtype, heads, kv_heads, head_dim, block_size, seq_lens, query_lens,
         tables.append(ids[at:at + n])
         at += n
     cache = PagedKVCache(cfg(heads, kv_heads, head_dim), num_blocks=num_blocks, block_size=block_size,
-                         dtype=dtype)
+                         dtype=dtype, layout=_layout(heads, kv_heads, head_dim, dtype, block_size))
     # History: every slot of every block random (slots past a sequence's length must be ignored).
     cache.kv.copy_(torch.randn_like(cache.kv, dtype=torch.float32).to(dtype))
     start = [n - q for n, q in zip(seq_lens, query_lens)]
@@ -85,7 +96,7 @@ def test_many_sequences_take_the_all_heads_path():
 
 def _reference_float64(cache, layer, meta, q, window, scale, heads, kv_heads):
     """Straightforward attention per query row in float64 over the sequence's blocks."""
-    k_all, v_all = (t.double() for t in cache.layer_blocks(layer))
+    k_all, v_all = (t.double().unflatten(0, (cache.num_blocks, cache.block_size)) for t in _all_kv(cache, layer))
     out = torch.zeros(q.shape, dtype=torch.float64)
     g = heads // kv_heads
     for i in range(meta.num_seqs):
@@ -108,7 +119,7 @@ varlen_available = pytest.mark.skipif(
 
 @varlen_available
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
-    (9, 3, 64, 16, None), (9, 3, 64, 8, None), (4, 2, 128, 32, None), (4, 4, 64, 16, 20),
+    (9, 3, 64, 16, None), (9, 3, 64, 48, None), (4, 2, 128, 32, None), (4, 4, 64, 16, 20),
     (8, 2, 64, 64, 7)])
 def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, window):
     """Tolerance: q.k products of bf16 inputs are exact in float32 and accumulate in float32; the
@@ -128,7 +139,7 @@ def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, wi
         tables.append(ids[at:at + n])
         at += n
     cache = PagedKVCache(cfg(heads, kv_heads, head_dim), num_blocks=len(ids), block_size=block_size,
-                         dtype=torch.bfloat16)
+                         dtype=torch.bfloat16, layout="pairs")
     cache.kv.fill_(float("nan"))  # slots no sequence owns must never be read
     start = [n - q for n, q in zip(seq_lens, query_lens)]
     meta = build_attention_metadata(start, query_lens, tables, block_size)
@@ -179,15 +190,14 @@ def test_cascade_matches_float64_and_the_plain_pass(heads, kv_heads, head_dim, b
     add([], 50, 50)  # fresh prompt
     num_blocks = 4000
     cache = PagedKVCache(cfg(heads, kv_heads, head_dim), num_blocks=num_blocks, block_size=block_size,
-                         dtype=torch.bfloat16)
+                         dtype=torch.bfloat16, layout="pairs")
     cache.kv.copy_(torch.randn_like(cache.kv, dtype=torch.float32).bfloat16())
     start = [n - q for n, q in zip(seq_lens, query_lens)]
     meta = build_attention_metadata(start, query_lens, tables, block_size)
     q = torch.randn(meta.num_tokens, heads, head_dim).bfloat16()
     # K/V of this step's tokens: what is already in their slots (so every pass reads the same).
-    slots = meta.slot_mapping
-    k_new = cache.layer_blocks(1)[0].flatten(0, 1)[slots].clone()
-    v_new = cache.layer_blocks(1)[1].flatten(0, 1)[slots].clone()
+    k_all, v_all = _all_kv(cache, 1)
+    k_new, v_new = k_all[meta.slot_mapping], v_all[meta.slot_mapping]
     outs = {}
     for cascade in (True, False):
         meta.backend_state.clear()
@@ -255,3 +265,13 @@ def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
             assert other.token_ids[i] in top, f"step {i}: {other.token_ids[i]} not in the top 5 {top}"
             assert top[mine.token_ids[i]] - top[other.token_ids[i]] <= 0.25
     assert identical >= 6
+
+
+def test_block_sizes_the_varlen_kernel_cannot_read_keep_the_token_layout():
+    """The varlen kernel reads blocks of 16k keys; --block-size 8 keeps the token-major cache,
+    where the decode kernel and SDPA give the same answers."""
+    assert _layout(9, 3, 64, torch.bfloat16, 8) == "tokens"
+    assert _layout(9, 3, 64, torch.float32, 16) == "tokens"
+    seq_lens = [1, 9, 40, 200]
+    got, ref = run_step(torch.bfloat16, 9, 3, 64, 8, seq_lens, [1, 1, 1, 5], None, 4)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=0)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from kvserve.config import ConfigError, ModelConfig
@@ -109,3 +111,64 @@ def test_factory_auto_and_unsupported_dtypes():
 def test_register_rejects_unknown_dtype_name():
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         register_kv_cache("fp3")(PagedKVCache)
+
+
+# -- the "pairs" layout (what the bf16 CPU kernel reads): same tokens, different element order --
+
+def _twins(dtype=torch.bfloat16, num_blocks=7, block_size=16, head_dim=8):
+    c = cfg(kv_heads=3, head_dim=head_dim)
+    return (PagedKVCache(c, num_blocks=num_blocks, block_size=block_size, dtype=dtype),
+            PagedKVCache(c, num_blocks=num_blocks, block_size=block_size, dtype=dtype, layout="pairs"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_pairs_layout_holds_the_same_tokens(data):
+    """Writes (compiled store and the torch fallback, from strided views as the model passes
+    them), copy-on-write copies and offload round trips: the pairs cache gathers exactly what the
+    token-major cache does, and its memory is the documented permutation of it."""
+    block_size = data.draw(st.sampled_from([16, 32]))
+    tokens, pairs = _twins(block_size=block_size)
+    torch_store = data.draw(st.booleans())
+    if torch_store:
+        pairs._store_pairs = None
+    n = 7 * block_size
+    for layer in range(2):
+        slots = torch.tensor(data.draw(st.permutations(range(n)))[:data.draw(st.integers(1, n))])
+        qkv = torch.randn(len(slots), 4 * 8 + 2 * 3 * 8).bfloat16()  # q | k | v columns, like llama.py
+        k, v = qkv[:, 32:56].view(-1, 3, 8), qkv[:, 56:].view(-1, 3, 8)
+        tokens.write(layer, slots, k, v)
+        pairs.write(layer, slots, k, v)
+    src = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=3))
+    copies = [BlockCopy(s, data.draw(st.integers(0, 6)), data.draw(st.integers(0, block_size))) for s in src]
+    tokens.copy_blocks(copies)
+    pairs.copy_blocks(copies)
+    ids = torch.arange(7)
+    for layer in range(2):
+        for a, b in zip(tokens.gather(layer, ids), pairs.gather(layer, ids)):
+            assert torch.equal(a, b)
+        k_tok, v_tok = tokens.layer_blocks(layer)
+        k_pairs, v_pairs = pairs.layer_blocks(layer)
+        assert torch.equal(k_pairs.view(7, 3, 4, block_size, 2),
+                           k_tok.view(7, block_size, 3, 4, 2).permute(0, 2, 3, 1, 4))
+        assert torch.equal(v_pairs.view(7, 3, block_size // 2, 8, 2),
+                           v_tok.view(7, block_size // 2, 2, 3, 8).permute(0, 3, 1, 4, 2))
+    moved = pairs.read_blocks(torch.tensor([2, 5]))
+    restored = PagedKVCache(cfg(kv_heads=3), num_blocks=7, block_size=block_size, dtype=torch.bfloat16,
+                            layout="pairs")
+    restored.write_blocks(torch.tensor([0, 1]), moved)
+    for a, b in zip(pairs.gather(1, torch.tensor([2, 5])), restored.gather(1, torch.tensor([0, 1]))):
+        assert torch.equal(a, b)
+
+
+def test_pairs_layout_rejects_what_it_cannot_hold():
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        PagedKVCache(cfg(), num_blocks=2, block_size=8, dtype=torch.bfloat16, layout="pairs")
+    with pytest.raises(ConfigError, match="layout must be one of"):
+        PagedKVCache(cfg(), num_blocks=2, block_size=16, dtype=torch.bfloat16, layout="heads")
+    with pytest.raises(ConfigError, match="'tokens' layout only"):
+        create_kv_cache(cfg(), num_blocks=2, block_size=16, kv_cache_dtype="int8", dtype=torch.bfloat16,
+                        layout="pairs")
+    # Stored blocks of the two layouts differ byte for byte: the tiers' fingerprint tells them apart.
+    tokens, pairs = _twins()
+    assert tokens.layout_tag != pairs.layout_tag

@@ -33,10 +33,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = LlamaModel(model_config, weights, dtype, self.device, attention_backend=select_attention_backend(
-            attention_backend, model_config, self.device, cascade=cascade_attn))
+        backend = select_attention_backend(attention_backend, model_config, self.device, cascade=cascade_attn)
+        self.model = LlamaModel(model_config, weights, dtype, self.device, attention_backend=backend)
         self.kv_cache = create_kv_cache(model_config, num_blocks=num_blocks, block_size=block_size,
                                         kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=self.device,
+                                        layout=backend.kv_cache_layout(kv_cache_dtype, dtype, block_size, self.device),
                                         **(kv_cache_options or {}))
         self.bytes_per_block: int = self.kv_cache.bytes_per_block(model_config, block_size,
                                                                   kv_cache_dtype, dtype)

@@ -114,6 +114,12 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.sliding_window = sliding_window
 
+    def kv_cache_layout(self, kv_cache_dtype: str, dtype: torch.dtype, block_size: int,
+                        device: torch.device) -> str:
+        """The element order this backend wants the KV cache in (kv_cache.KV_LAYOUTS); the runner
+        builds the cache with it."""
+        return "tokens"
+
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

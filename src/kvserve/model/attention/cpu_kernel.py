@@ -6,7 +6,8 @@ K/V, at 64 sequences x 384 keys ~10x, and a prefill chunk pays for gathering its
 Two kernels read every sequence's K/V straight out of its blocks:
   - csrc/paged_decode.cpp: decodes (one query row per sequence), float32 or bf16, float32 math.
   - csrc/paged_attention_bf16.cpp: decodes *and* prefill chunks of every sequence in one call
-    (varlen), bf16 through AVX512-BF16 dot products; built where the CPU has them.
+    (varlen), bf16 through AVX512-BF16 dot products; built where the CPU has them. It reads the
+    KV cache's "pairs" layout (kv_cache.py), whose writes `store_kv_pairs` does.
 
 The sources are compiled with `g++ -O3 -march=native -fopenmp` into one library in a cache
 directory keyed by the sources, the compiler and the CPU's flags, and called through ctypes (no
@@ -52,6 +53,10 @@ _VARLEN_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
                     ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                     ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                     ctypes.c_void_p]
+
+# k, v, slots, T, k_stride, v_stride, k_cache, v_cache, hkv, head_dim, block_size
+_STORE_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -118,6 +123,8 @@ def load_library() -> ctypes.CDLL | None:
                 fn.argtypes = _VARLEN_ARGTYPES
                 fn.restype = ctypes.c_int
             lib.paged_attention_bf16_available.restype = ctypes.c_int
+            lib.store_kv_pairs.argtypes = _STORE_ARGTYPES
+            lib.store_kv_pairs.restype = None
             _lib = lib
         except Exception as e:  # any build or load failure: fall back, say why once
             log.warning("paged decode kernel unavailable, using the pure-torch path: %s", e)
@@ -134,9 +141,15 @@ def decode_kernel_for(dtype: torch.dtype, head_dim: int, device: torch.device):
     return getattr(lib, f"decode_{_DTYPE_NAMES[dtype]}_d{head_dim if head_dim in _HEAD_DIMS else 'any'}")
 
 
+def store_pairs_kernel():
+    """`store_kv_pairs` (writes into the "pairs" KV layout, any 16-bit dtype), or None."""
+    lib = load_library()
+    return None if lib is None else lib.store_kv_pairs
+
+
 def varlen_kernel_for(dtype: torch.dtype, head_dim: int, device: torch.device):
-    """The bf16 varlen kernel (decodes and prefill chunks in one call) when this CPU has
-    AVX512-BF16 and the head size has an instance, else None."""
+    """The bf16 varlen kernel (decodes and prefill chunks in one call; it reads the "pairs" KV
+    layout) when this CPU has AVX512-BF16 and the head size has an instance, else None."""
     if device.type != "cpu" or dtype != torch.bfloat16 or head_dim not in _HEAD_DIMS:
         return None
     lib = load_library()

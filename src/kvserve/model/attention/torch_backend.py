@@ -7,7 +7,8 @@ their gathered block tables (padded to the longest), with a per-row length mask.
 On CPU, attention over the full-precision cache goes through compiled kernels (cpu_kernel.py)
 that read each sequence's blocks in place instead of gathering a padded copy: for bf16 on
 AVX512-BF16 CPUs one varlen call covers every sequence of the step, decodes and prefill chunks
-alike; for float32 (and bf16 elsewhere) a decode-only kernel covers the decodes. SDPA is the
+alike, over a cache in the "pairs" layout it asks for (`kv_cache_layout`); for float32 (and bf16
+elsewhere) a decode-only kernel covers the decodes over the "tokens" layout. SDPA is the
 fallback (no compiler, quantized caches, other devices or dtypes) and the reference.
 
 A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` only when
@@ -69,10 +70,18 @@ class TorchAttentionBackend(AttentionBackend):
         self.cascade = cascade
         self._kernels: dict[tuple[str, torch.dtype, torch.device], object] = {}
 
+    def kv_cache_layout(self, kv_cache_dtype: str, dtype: torch.dtype, block_size: int,
+                        device: torch.device) -> str:
+        if (self.use_cpu_kernel and kv_cache_dtype == "auto" and block_size % 16 == 0
+                and varlen_kernel_for(dtype, self.head_dim, torch.device(device)) is not None):
+            return "pairs"
+        return "tokens"
+
     def _kernel(self, kind: str, q: torch.Tensor, kv_cache: KVCache):
         """The compiled kernel `kind` ("varlen" or "decode") when it applies to this step's
-        tensors, else None."""
+        tensors and the cache's layout, else None."""
         if (not self.use_cpu_kernel or not isinstance(kv_cache, PagedKVCache)
+                or kv_cache.layout != ("pairs" if kind == "varlen" else "tokens")
                 or q.dtype != kv_cache.dtype or q.stride(2) != 1 or q.stride(1) != self.head_dim):
             return None
         key = (kind, q.dtype, q.device)

@@ -5,15 +5,18 @@
 // bf16 element and reduces every dot product horizontally, ~15 GMAC/s per core here; prefill
 // chunks went through one SDPA per sequence over a gathered copy of its context. VDPBF16PS does
 // 32 bf16 multiply-adds per instruction into float32, but it pairs elements along the reduction
-// axis, so each operand must be laid out pair-major:
-//   scores: s[t] = sum_d q[d] k_t[d]. A chunk of 16 keys is transposed once (16x32 pairs ->
-//           32x16) so lane t of every register belongs to key t; each query row then needs 32
-//           instructions with its d-pair broadcast, and no horizontal sums. The transpose is
-//           shared by every query row of the work item (G heads x the chunk's tokens).
-//   output: o[d] += sum_t p_t v_t[d]. Rows t and t+1 of V are interleaved (one unpack) so each
-//           register holds (v_t[d], v_t+1[d]) pairs; p is rounded to bf16 as flash-attention does
-//           on GPUs before its P.V product.
-// Softmax is online (flash-attention style) per 16-key chunk, so a work item's memory is a few
+// axis, so each operand must be laid out pair-major. The cache is stored that way (the "pairs"
+// layout of kv_cache.py, written by store_kv_pairs below), so both are read in place:
+//   scores: s[t] = sum_d q[d] k_t[d]. K is [blocks][hkv][dh/2][bs][2]: the (d, d+1) pairs of 16
+//           consecutive keys fill one register, lane t = key t; each query row needs dh/2
+//           instructions with its d-pair broadcast, and no horizontal sums.
+//   output: o[d] += sum_t p_t v_t[d]. V is [blocks][hkv][bs/2][dh][2]: keys t, t+1 interleaved
+//           per d, so a register holds (v_t[d], v_t+1[d]) for 16 d's; p is rounded to bf16 as
+//           flash-attention does on GPUs before its P.V product.
+// With the token-major layout the kernel transposed every 16 keys of K (16x16 32-bit transposes,
+// ~250 shuffles per 32 keys against ~190 VDPBF16PS for a decode's 3 query rows) and unpacked V:
+// reading in place made decode attention 1.4-1.7x faster (bench/NOTES.md).
+// Softmax is online (flash-attention style) per 32-key chunk, so a work item's memory is a few
 // KB whatever the context length. Work item = (sequence, K/V head, tile of <= TILE query tokens).
 #include <stdint.h>
 #include <string.h>
@@ -30,7 +33,8 @@
 namespace {
 
 constexpr int CHUNK = 32;  // keys per softmax step: two float32 registers (the max / sum
-                           // reductions per step cost as much as the dot products at 16)
+                           // reductions per step cost as much as the dot products at 16);
+                           // read as two halves of 16 keys, so blocks must hold 16k keys
 constexpr int TILE = 16;   // query tokens per work item (prefill)
 
 inline __m512 exp512(__m512 x) {  // x <= 0 after max subtraction; ~1e-7 relative error
@@ -49,46 +53,23 @@ inline __m512 exp512(__m512 x) {  // x <= 0 after max subtraction; ~1e-7 relativ
     return _mm512_scalef_ps(p, n);
 }
 
-// r[i] = 16 32-bit lanes of row i  ->  r[j] = column j (lane i = old row i).
-inline void transpose16x16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {  // afterwards lane L of r[4i+c] = column 4L+c of rows 4i..4i+3
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; ++c) {
-        const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);       // L0, L2 of rows 0-7
-        const __m512i a2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);      // L1, L3
-        const __m512i b = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);  // rows 8-15
-        const __m512i b2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
-        t[c] = _mm512_shuffle_i32x4(a, b, 0x88);        // column c
-        t[8 + c] = _mm512_shuffle_i32x4(a, b, 0xdd);    // column 8 + c
-        t[4 + c] = _mm512_shuffle_i32x4(a2, b2, 0x88);  // column 4 + c
-        t[12 + c] = _mm512_shuffle_i32x4(a2, b2, 0xdd); // column 12 + c
-    }
-    for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-// Scores of R rows against the staged chunk: sc[r][t] = q_r . k_t (unscaled).
+// Scores of R rows against 16 keys: sc[r][t] = q_r . k_t (unscaled). kt: the keys' d-pairs, pair j
+// at kt + j * kstride (16 uint32 lanes = 16 keys).
 template <int R, int NP>
-inline void qk_rows(const __m512i* kt, const uint32_t* q, float* sc) {
+inline void qk_rows(const uint32_t* kt, int64_t kstride, const uint32_t* q, float* sc) {
     constexpr int A = R >= 4 ? 2 : 4;  // accumulators per row (must divide NP)
     static_assert(NP % A == 0, "d-pairs must split evenly over the accumulators");
     __m512 s[R][A];
     for (int r = 0; r < R; ++r)
         for (int a = 0; a < A; ++a) s[r][a] = _mm512_setzero_ps();
     for (int j = 0; j < NP; j += A)
-        for (int a = 0; a < A; ++a)
+        for (int a = 0; a < A; ++a) {
+            const __m512bh k = as_bh(_mm512_loadu_si512(kt + (j + a) * kstride));
             for (int r = 0; r < R; ++r)
-                s[r][a] = _mm512_dpbf16_ps(s[r][a], as_bh(kt[j + a]), as_bh(_mm512_set1_epi32((int)q[r * NP + j + a])));
+                s[r][a] = _mm512_dpbf16_ps(s[r][a], k, as_bh(_mm512_set1_epi32((int)q[r * NP + j + a])));
+        }
     for (int r = 0; r < R; ++r) {
         __m512 t = s[r][0];
         for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, s[r][a]);
@@ -96,22 +77,26 @@ inline void qk_rows(const __m512i* kt, const uint32_t* q, float* sc) {
     }
 }
 
-// acc_r = alpha_r * acc_r + sum_t p_rt v_t for R rows (p as bf16 pairs, V pair-interleaved).
+// acc_r = alpha_r * acc_r + sum_t p_rt v_t for R rows (p as bf16 pairs). vh[half]: the 8 key pairs
+// of 16 keys, pair u at vh[half] + u * DH (16 d's per register, natural order).
 template <int R, int NV>
-inline void pv_rows(const __m512i* vp, const uint16_t* pb, const float* alpha, float* acc) {
+inline void pv_rows(const uint32_t* const* vh, const uint16_t* pb, const float* alpha, float* acc) {
     constexpr int DH = NV * 16;
     __m512 o[R][NV];
     for (int r = 0; r < R; ++r) {
         const __m512 va = _mm512_set1_ps(alpha[r]);
         for (int c = 0; c < NV; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * DH + 16 * c), va);
     }
-    for (int u = 0; u < CHUNK / 2; ++u)
+    for (int u = 0; u < CHUNK / 2; ++u) {
+        const uint32_t* vu = vh[u / 8] + (u % 8) * DH;
         for (int r = 0; r < R; ++r) {
             uint32_t pair;
             memcpy(&pair, pb + r * CHUNK + 2 * u, 4);
             const __m512bh pu = as_bh(_mm512_set1_epi32((int)pair));
-            for (int c = 0; c < NV; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(vp[u * NV + c]), pu);
+            for (int c = 0; c < NV; ++c)
+                o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(_mm512_loadu_si512(vu + 16 * c)), pu);
         }
+    }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + r * DH + 16 * c, o[r][c]);
 }
@@ -131,23 +116,36 @@ inline void for_row_groups(int rows, F f) {
     }
 }
 
+// Where 16 keys starting at position p0 (a multiple of 16) of head h live in the cache.
+struct KeySpan { const uint32_t* k; const uint32_t* v; };
+
+template <int DH>
+inline KeySpan key_span(const uint32_t* k32, const uint32_t* v32, const int64_t* table, int64_t p0,
+                        int h, int hkv, int bs) {
+    const int64_t blk_head = table[p0 / bs] * hkv + h, o = p0 % bs;
+    return {k32 + blk_head * (DH / 2) * bs + o, v32 + blk_head * (bs / 2) * DH + (o / 2) * DH};
+}
+
 // One work item: `ntok` query tokens (rows qrow[], positions qpos[]) of K/V head h against the keys
 // at positions [key_begin, key_end) of `table` (further limited by causality and the window).
 // mode NORMAL starts from an empty softmax state and writes the normalised output; STORE starts
 // empty and saves the raw state (m, l, acc) of every row to state[token]; LOAD resumes from that
-// state and writes the output. kt: scratch [CHUNK/16][NP][16] uint32 (transposed K chunk); vp:
-// [CHUNK/2][NV] (interleaved V pairs); acc: [rows][DH] float; pb: [rows][CHUNK] bf16 probabilities.
+// state and writes the output. kscr [CHUNK/16][NP][16] and vscr [CHUNK/16][8][DH] uint32 hold the
+// chunk's partly visible 16-key halves, masked (keys outside [key_begin, key_end) read as zero:
+// slots past a sequence's end may hold anything); whole halves are read in place.
+// acc: [rows][DH] float; pb: [rows][CHUNK] bf16 probabilities.
 enum Mode { NORMAL = 0, STORE = 1, LOAD = 2 };
 
 template <int DH>
 void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t* qpos, int ntok,
                  int64_t q_stride, int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                  const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int hkv, int bs,
-                 float scale, int64_t window, Mode mode, float* const* state, __m512i* kt, __m512i* vp,
-                 float* acc, float* m, float* l, float* alpha, float* sc, uint16_t* pb) {
+                 float scale, int64_t window, Mode mode, float* const* state, uint32_t* kscr,
+                 uint32_t* vscr, float* acc, float* m, float* l, float* alpha, float* sc, uint16_t* pb) {
     constexpr int NP = DH / 2, NV = DH / 16;
     const int rows = ntok * g;
-    const int64_t tok_stride = (int64_t)hkv * DH;
+    const uint32_t* k32 = (const uint32_t*)k_cache;
+    const uint32_t* v32 = (const uint32_t*)v_cache;
     // Row r = tile token r / g, query head h * g + r % g. Its d-pairs as uint32 for broadcasting;
     // the softmax scale is applied to the float32 scores (no extra bf16 rounding of q).
     std::vector<uint32_t> qp((size_t)rows * NP);
@@ -155,7 +153,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         const uint16_t* src = q + qrow[tq] * q_stride + (int64_t)h * g * DH;
         memcpy(&qp[(size_t)tq * g * NP], src, (size_t)g * DH * 2);
     }
-    // State of row r (token r / g, head h * g + r % g): m, l, then acc in the kernel's lane order.
+    // State of row r (token r / g, head h * g + r % g): m, l, then acc.
     auto row_state = [&](int r) { return state[r / g] + (int64_t)(h * g + r % g) * (DH + 2); };
     if (mode == LOAD) {
         for (int r = 0; r < rows; ++r) {
@@ -170,54 +168,49 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
-        // Stage K transposed and V pair-interleaved; keys outside [key_begin, key_end) are zero
-        // (never read as garbage: uninitialised slots may hold NaN bit patterns).
-        const uint16_t* krow[CHUNK];
-        const uint16_t* vrow[CHUNK];
-        for (int t = 0; t < CHUNK; ++t) {
-            if (kp0 + t >= key_begin && kp0 + t < key_end) {
-                const int64_t p = kp0 + t;
-                const int64_t off = (table[p / bs] * bs + p % bs) * tok_stride + (int64_t)h * DH;
-                krow[t] = k_cache + off;
-                vrow[t] = v_cache + off;
-            } else {
-                krow[t] = vrow[t] = nullptr;
+        const uint32_t* kh[CHUNK / 16];
+        const uint32_t* vh[CHUNK / 16];
+        int64_t kstride[CHUNK / 16];
+        for (int half = 0; half < CHUNK / 16; ++half) {
+            const int64_t p0 = kp0 + 16 * half;
+            uint32_t* ks = kscr + half * NP * 16;
+            uint32_t* vs = vscr + half * 8 * DH;
+            if (p0 >= key_begin && p0 + 16 <= key_end) {  // all 16 keys visible: read in place
+                const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
+                kh[half] = sp.k; kstride[half] = bs; vh[half] = sp.v;
+                continue;
             }
+            kh[half] = ks; kstride[half] = 16; vh[half] = vs;
+            const int64_t lo = std::max(p0, key_begin), hi = std::min(p0 + 16, key_end);
+            if (lo >= hi) {  // none visible (the chunk's edge): zeros, the scores are masked anyway
+                memset(ks, 0, sizeof(uint32_t) * NP * 16);
+                memset(vs, 0, sizeof(uint32_t) * 8 * DH);
+                continue;
+            }
+            const __mmask16 kmask = (__mmask16)(((1u << (hi - lo)) - 1) << (lo - p0));
+            uint32_t vmask_bits[8];
+            for (int u = 0; u < 8; ++u)
+                vmask_bits[u] = ((kmask >> (2 * u)) & 1 ? 0x55555555u : 0u) | ((kmask >> (2 * u + 1)) & 1 ? 0xaaaaaaaau : 0u);
+            const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
+            for (int j = 0; j < NP; ++j)
+                _mm512_storeu_si512(ks + 16 * j, _mm512_maskz_loadu_epi32(kmask, sp.k + j * bs));
+            for (int u = 0; u < 8; ++u)
+                for (int c = 0; c < NV; ++c)
+                    _mm512_storeu_si512(vs + u * DH + 16 * c, _mm512_maskz_loadu_epi16((__mmask32)vmask_bits[u], sp.v + u * DH + 16 * c));
         }
         // Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for
-        // the next chunk's rows of this head while this chunk is being used.
-        for (int64_t p = kp0 + CHUNK; p < std::min<int64_t>(kp0 + 2 * CHUNK, key_end); ++p) {
-            const int64_t off = (table[p / bs] * bs + p % bs) * tok_stride + (int64_t)h * DH;
-            for (int c = 0; c < DH * 2; c += 64) {
-                __builtin_prefetch((const char*)(k_cache + off) + c);
-                __builtin_prefetch((const char*)(v_cache + off) + c);
-            }
-        }
-        for (int c = 0; c < DH / 32; ++c) {  // 16 d-pairs of all 16 keys at a time
-            __m512i kr[16];
-            for (int half = 0; half < CHUNK / 16; ++half) {  // kt: [half][NP][16 keys]
-                for (int t = 0; t < 16; ++t) {
-                    const uint16_t* row = krow[16 * half + t];
-                    kr[t] = row ? _mm512_loadu_si512(row + 32 * c) : _mm512_setzero_si512();
-                }
-                transpose16x16(kr);
-                for (int j = 0; j < 16; ++j) kt[half * NP + 16 * c + j] = kr[j];
-            }
-        }
-        for (int u = 0; u < CHUNK / 2; ++u) {
-            for (int c = 0; c < DH / 32; ++c) {
-                const __m512i a = vrow[2 * u] ? _mm512_loadu_si512(vrow[2 * u] + 32 * c) : _mm512_setzero_si512();
-                const __m512i b = vrow[2 * u + 1] ? _mm512_loadu_si512(vrow[2 * u + 1] + 32 * c) : _mm512_setzero_si512();
-                vp[u * NV + 2 * c] = _mm512_unpacklo_epi16(a, b);
-                vp[u * NV + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-            }
+        // the next chunk's keys of this head while this chunk is being used.
+        for (int64_t p0 = kp0 + CHUNK; p0 < std::min<int64_t>(kp0 + 2 * CHUNK, key_end); p0 += 16) {
+            const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
+            for (int j = 0; j < NP; ++j) __builtin_prefetch(sp.k + j * bs);
+            for (int c = 0; c < 8 * DH; c += 16) __builtin_prefetch(sp.v + c);
         }
         const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32((int)kp0));
-        // Three passes over the rows, each with independent rows interleaved: one row alone is
-        // a chain of dependent VDPBF16PS (latency ~6 cycles), which left the units mostly idle.
+        // Rows are interleaved in groups: one row alone is a chain of dependent VDPBF16PS
+        // (latency ~6 cycles), which left the units mostly idle.
         for (int half = 0; half < CHUNK / 16; ++half)
             for_row_groups(rows, [&](auto R, int r0) {
-                qk_rows<decltype(R)::value, NP>(kt + half * NP, &qp[(size_t)r0 * NP], sc + r0 * CHUNK + 16 * half);
+                qk_rows<decltype(R)::value, NP>(kh[half], kstride[half], &qp[(size_t)r0 * NP], sc + r0 * CHUNK + 16 * half);
             });
         constexpr int NR = CHUNK / 16;  // float32 registers of scores per row
         __m512i kposv[NR];
@@ -260,7 +253,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
                 _mm512_storeu_si512((__m512i*)&pb[r * CHUNK + 16 * i], (__m512i)_mm512_cvtne2ps_pbh(sv[i + 1], sv[i]));
         }
         for_row_groups(rows, [&](auto R, int r0) {
-            pv_rows<decltype(R)::value, NV>(vp, &pb[r0 * CHUNK], &alpha[r0], acc + (size_t)r0 * DH);
+            pv_rows<decltype(R)::value, NV>(vh, &pb[r0 * CHUNK], &alpha[r0], acc + (size_t)r0 * DH);
         });
     }
     if (mode == STORE) {
@@ -271,20 +264,13 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         }
         return;
     }
-    // Undo the unpack's lane order: register 2c+hi, float lane 4L+w holds d = 32c + 8L + 4hi + w.
     for (int r = 0; r < rows; ++r) {
-        float ordered[DH];
         const float* ar = acc + (size_t)r * DH;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int c = 0; c < DH / 32; ++c)
-            for (int hi = 0; hi < 2; ++hi)
-                for (int L = 0; L < 4; ++L)
-                    for (int w = 0; w < 4; ++w)
-                        ordered[32 * c + 8 * L + 4 * hi + w] = ar[(2 * c + hi) * 16 + 4 * L + w] * inv;
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
         const int tq = r / g, j = r % g;
         uint16_t* dst = out + qrow[tq] * out_stride + ((int64_t)h * g + j) * DH;
-        for (int c = 0; c < DH / 16; ++c)
-            _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(ordered + 16 * c)));
+        for (int c = 0; c < NV; ++c)
+            _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), inv)));
     }
 }
 
@@ -334,8 +320,8 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
     std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
     #pragma omp parallel
     {
-        alignas(64) __m512i kt[(CHUNK / 16) * (DH / 2)];
-        alignas(64) __m512i vp[(CHUNK / 2) * (DH / 16)];
+        alignas(64) uint32_t kscr[(CHUNK / 16) * (DH / 2) * 16];
+        alignas(64) uint32_t vscr[(CHUNK / 16) * 8 * DH];
         std::vector<float> acc((size_t)TILE * g * DH), m(TILE * g), l(TILE * g), alpha(TILE * g);
         float* sc = (float*)aligned_alloc(64, sizeof(float) * TILE * g * CHUNK);
         std::vector<uint16_t> pb((size_t)TILE * g * CHUNK);
@@ -353,7 +339,7 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             }
             attend_item<DH>(q, out, qrow, qpos, it.nmembers, q_stride, out_stride, k_cache, v_cache,
                             block_tables + members[0] * bt_stride, 0, group_prefix[it.group], it.h, g,
-                            hkv, bs, scale, 0, STORE, state, kt, vp, acc.data(), m.data(), l.data(),
+                            hkv, bs, scale, 0, STORE, state, kscr, vscr, acc.data(), m.data(), l.data(),
                             alpha.data(), sc, pb.data());
         }  // implicit barrier: every saved state is complete before phase 2 reads it
         #pragma omp for schedule(dynamic, 1)
@@ -375,7 +361,7 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             }
             attend_item<DH>(q, out, qrow, qpos, it.ntok, q_stride, out_stride, k_cache, v_cache,
                             block_tables + (int64_t)it.seq * bt_stride, key_begin, pos0 + it.ntok, it.h,
-                            g, hkv, bs, scale, window, mode, state, kt, vp, acc.data(), m.data(),
+                            g, hkv, bs, scale, window, mode, state, kscr, vscr, acc.data(), m.data(),
                             l.data(), alpha.data(), sc, pb.data());
         }
         free(sc);
@@ -385,6 +371,28 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
 }  // namespace
 #endif
 
+// Stores T tokens' K/V (rows of hkv * dh 16-bit elements, `k_stride` / `v_stride` elements apart)
+// at flat `slots` of one layer of the "pairs" layout the kernel reads (kv_cache.py): K
+// [blocks][hkv][dh/2][bs][2], V [blocks][hkv][bs/2][dh][2]. Plain scalar code: it moves 16-bit
+// elements and needs no AVX512, so it exists in every build.
+extern "C" void store_kv_pairs(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t T,
+                               int64_t k_stride, int64_t v_stride, uint16_t* k_cache, uint16_t* v_cache,
+                               int hkv, int dh, int bs) {
+    const int np = dh / 2;
+    #pragma omp parallel for schedule(static) if (T >= 256)
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t blk = slots[t] / bs, off = slots[t] % bs;
+        const uint32_t* ks = (const uint32_t*)(k + t * k_stride);
+        const uint16_t* vs = v + t * v_stride;
+        for (int h = 0; h < hkv; ++h) {
+            uint32_t* kd = (uint32_t*)k_cache + (blk * hkv + h) * np * bs + off;
+            for (int j = 0; j < np; ++j) kd[(int64_t)j * bs] = ks[h * np + j];
+            uint16_t* vd = v_cache + ((blk * hkv + h) * (bs / 2) + off / 2) * dh * 2 + off % 2;
+            for (int d = 0; d < dh; ++d) vd[2 * d] = vs[h * dh + d];
+        }
+    }
+}
+
 extern "C" int paged_attention_bf16_available() {
 #ifdef KVS_HAVE_BF16
     return 1;
@@ -393,7 +401,7 @@ extern "C" int paged_attention_bf16_available() {
 #endif
 }
 
-// Returns 0 on success, -1 when this build or head size has no kernel (the caller falls back).
+// Returns 0 on success, -1 when this build, head size or block size has no kernel.
 #define PA_ENTRY(NAME, DH) \
 extern "C" int NAME(const void* q, void* out, const int64_t* q_start, const int64_t* q_len, \
                     int64_t q_stride, int64_t out_stride, const void* k, const void* v, \
@@ -402,12 +410,14 @@ extern "C" int NAME(const void* q, void* out, const int64_t* q_start, const int6
                     const int64_t* group_start, const int64_t* group_members, const int64_t* group_prefix)
 #ifdef KVS_HAVE_BF16
 PA_ENTRY(paged_attention_bf16_d64, 64) {
+    if (bs % 16) return -1;
     paged_attention<64>((const uint16_t*)q, (uint16_t*)out, q_start, q_len, q_stride, out_stride,
                         (const uint16_t*)k, (const uint16_t*)v, bt, bt_stride, seq_lens, n, hq, hkv,
                         bs, scale, window, ngroups, group_start, group_members, group_prefix);
     return 0;
 }
 PA_ENTRY(paged_attention_bf16_d128, 128) {
+    if (bs % 16) return -1;
     paged_attention<128>((const uint16_t*)q, (uint16_t*)out, q_start, q_len, q_stride, out_stride,
                          (const uint16_t*)k, (const uint16_t*)v, bt, bt_stride, seq_lens, n, hq, hkv,
                          bs, scale, window, ngroups, group_start, group_members, group_prefix);
