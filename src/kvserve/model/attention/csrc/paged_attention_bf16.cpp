@@ -199,8 +199,10 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
                     _mm512_storeu_si512(vs + u * DH + 16 * c, _mm512_maskz_loadu_epi16((__mmask32)vmask_bits[u], sp.v + u * DH + 16 * c));
         }
         // Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for
-        // the next chunk's keys of this head while this chunk is being used.
-        for (int64_t p0 = kp0 + CHUNK; p0 < std::min<int64_t>(kp0 + 2 * CHUNK, key_end); p0 += 16) {
+        // the next two chunks' keys of this head while this chunk is being used. The nearer one
+        // was asked for last time too; asking again (or asking only for the farther one, or into
+        // L2) measured slower: a full miss queue drops prefetches, and the repeat catches them.
+        for (int64_t p0 = kp0 + CHUNK; p0 < std::min<int64_t>(kp0 + 3 * CHUNK, key_end); p0 += 16) {
             const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
             for (int j = 0; j < NP; ++j) __builtin_prefetch(sp.k + j * bs);
             for (int c = 0; c < 8 * DH; c += 16) __builtin_prefetch(sp.v + c);
