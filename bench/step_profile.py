@@ -4,11 +4,14 @@ scheduling and bookkeeping under 10 % of step time).
 Runs the random workload's 64 requests (prompts 128-512 tokens) until all of them are decoding,
 then times --steps engine steps. "Model" is `LlamaModel.forward` plus `compute_logits`; the rest
 (scheduler, KV cache manager, step metadata, sampler, detokenizer, output objects) is everything
-`LLMEngine.step` does around them. `--cprofile` adds the top functions by own time (cProfile
+`LLMEngine.step` does around them. `--breakdown` splits the model time into attention (the
+backend's forward: cache write + attention), linear layers and the rest (norms, rotary, activations,
+embedding). `--cprofile` adds the top functions by own time (cProfile
 inflates the Python side, so its percentages overstate bookkeeping).
 
     python bench/step_profile.py
     python bench/step_profile.py --steps 50 --cprofile
+    python bench/step_profile.py --breakdown
 Prints a table and writes bench/results/step_profile.json.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from throughput import make_workloads  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.linear import Linear  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -36,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="time attention and linear layers inside the model")
     ap.add_argument("--json", default=str(HERE / "results" / "step_profile.json"))
     args = ap.parse_args(argv)
 
@@ -49,18 +54,21 @@ def main(argv=None) -> int:
                and all(len(r.output_token_ids) >= 2 for r in engine.scheduler.running)):
         engine.step()
 
-    in_model = [0.0]
+    spent = {"model": 0.0, "attention": 0.0, "linears": 0.0}
 
-    def timed(fn):
+    def timed(fn, key):
         def wrapper(*a, **k):
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                in_model[0] += time.perf_counter() - t
+                spent[key] += time.perf_counter() - t
         return wrapper
 
-    model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
+    model.forward, model.compute_logits = timed(model.forward, "model"), timed(model.compute_logits, "model")
+    if args.breakdown:
+        model.attn.forward = timed(model.attn.forward, "attention")
+        Linear.__call__ = timed(Linear.__call__, "linears")  # decode inputs are 2-D: no nested calls
     prof = cProfile.Profile() if args.cprofile else None
     batch = []
     t = time.perf_counter()
@@ -72,16 +80,22 @@ def main(argv=None) -> int:
     if prof:
         prof.disable()
     total = time.perf_counter() - t
-    rest = total - in_model[0]
+    rest = total - spent["model"]
     result = {"steps": args.steps, "mean_batch": sum(batch) / len(batch), "ms_per_step": total / args.steps * 1e3,
-              "model_ms_per_step": in_model[0] / args.steps * 1e3, "other_ms_per_step": rest / args.steps * 1e3,
+              "model_ms_per_step": spent["model"] / args.steps * 1e3, "other_ms_per_step": rest / args.steps * 1e3,
               "other_share": rest / total, "token_occupancy": engine.get_stats().token_occupancy,
               "cprofile": bool(prof)}
+    if args.breakdown:
+        result.update({f"{k}_ms_per_step": spent[k] / args.steps * 1e3 for k in ("attention", "linears")})
+        result["model_rest_ms_per_step"] = (spent["model"] - spent["attention"] - spent["linears"]) / args.steps * 1e3
     print(f"\n{args.steps} decode steps, mean batch {result['mean_batch']:.1f}, {args.dtype}"
           f"{' (under cProfile)' if prof else ''}")
     print(f"{'step ms':>8} {'model ms':>9} {'other ms':>9} {'other share':>12} {'KV occupancy':>13}")
     print(f"{result['ms_per_step']:>8.1f} {result['model_ms_per_step']:>9.1f} {result['other_ms_per_step']:>9.2f} "
           f"{result['other_share'] * 100:>11.1f}% {result['token_occupancy']:>13.3f}")
+    if args.breakdown:
+        print(f"model: attention {result['attention_ms_per_step']:.1f} ms, linear layers "
+              f"{result['linears_ms_per_step']:.1f} ms, rest {result['model_rest_ms_per_step']:.1f} ms per step")
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)

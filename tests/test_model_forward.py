@@ -22,6 +22,7 @@ from kvserve.engine.request import Request  # noqa: E402
 from kvserve.engine.sampling_params import SamplingParams  # noqa: E402
 from kvserve.engine.scheduler_output import BlockCopy, ScheduledRequest, SchedulerOutput  # noqa: E402
 from kvserve.model.attention.base import build_attention_metadata  # noqa: E402
+from kvserve.model.attention.cpu_kernel import varlen_kernel_for  # noqa: E402
 from kvserve.model.kv_cache import PagedKVCache  # noqa: E402
 from kvserve.model.llama import LlamaModel, rope_inv_freq  # noqa: E402
 
@@ -39,6 +40,8 @@ SPECS = {
     "llama3_rope": ("llama", dict(num_key_value_heads=2, rope_parameters=LLAMA3_ROPE), 32),
     "llama_mqa": ("llama", dict(num_key_value_heads=1), 128),
     "llama_mha": ("llama", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=24), 16),
+    # head_dim 64 (wider than hidden / heads): the bf16 CPU kernel's size, so bf16 runs it.
+    "llama_d64": ("llama", dict(num_key_value_heads=2, head_dim=64), 16),
     "mistral_swa": ("mistral", dict(num_key_value_heads=2, sliding_window=12), 8),
     "qwen2_bias": ("qwen2", dict(num_key_value_heads=2), 16),
 }
@@ -125,8 +128,10 @@ def assert_matches_hf(name: str, seqs: dict[str, list[int]], ours: dict[str, tor
 
 def make(name: str, block_size: int, dtype=torch.float32) -> tuple[LlamaModel, PagedKVCache]:
     mc = model_config(name)
-    return (LlamaModel(mc, weights(name), dtype),
-            PagedKVCache(mc, num_blocks=NUM_BLOCKS, block_size=block_size, dtype=dtype))
+    model = LlamaModel(mc, weights(name), dtype)
+    # The layout the runner would build for this backend (bf16 on AVX512-BF16: the kernel's "pairs").
+    layout = model.attn.kv_cache_layout("auto", dtype, block_size, torch.device("cpu"))
+    return model, PagedKVCache(mc, num_blocks=NUM_BLOCKS, block_size=block_size, dtype=dtype, layout=layout)
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -205,9 +210,12 @@ def test_reference_comparison_detects_errors():
         assert (logits - ref).abs().max() > 100 * TOL, (shift, table)
 
 
-def test_bfloat16_close_to_hf():
-    name = "llama_gqa"
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_d64"])
+def test_bfloat16_close_to_hf(name):
     model, cache = make(name, 16, torch.bfloat16)
+    # head_dim 64 on an AVX512-BF16 CPU: the varlen kernel over the "pairs" layout; else SDPA.
+    kernel = varlen_kernel_for(torch.bfloat16, cache.head_dim, torch.device("cpu")) is not None
+    assert cache.layout == ("pairs" if kernel else "tokens")
     seqs, steps = mixed_schedule()
     ours = run_schedule(model, cache, seqs, steps)
     hf = copy.deepcopy(hf_model(name)).to(torch.bfloat16)  # the shared fp32 model stays intact
