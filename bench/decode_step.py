@@ -2,12 +2,12 @@
 
     python bench/decode_step.py                         # batch 1, 256 in, 64 out, 1 thread
     python bench/decode_step.py --batch 64 --prompt-len 256 --decode 32
-    python bench/decode_step.py --threads 2 --wall      # wall-clock batch-1 decode tok/s
+    python bench/decode_step.py --threads 2             # batch-1 decode on both cores
 
 Steps the engine directly. Prefill steps are excluded: the clock starts once every request has its
 first token. Reports CPU time per decode step (time.process_time: what the change costs, not what
-other tenants of the machine cost) and wall time, plus the share of each step spent outside the
-model forward (scheduling, bookkeeping, sampling, detokenisation) when --split is given.
+other tenants of the machine cost) and wall time. Where a step's time goes (model vs bookkeeping,
+attention vs linear layers): bench/step_profile.py.
 """
 from __future__ import annotations
 

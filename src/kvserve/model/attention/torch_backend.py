@@ -16,6 +16,7 @@ A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` o
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,8 @@ from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.cascade import NO_GROUPS, PrefixGroups, shared_prefix_groups
 from kvserve.model.attention.cpu_kernel import decode_kernel_for, varlen_kernel_for
 from kvserve.model.kv_cache import KVCache, PagedKVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,10 +75,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     def kv_cache_layout(self, kv_cache_dtype: str, dtype: torch.dtype, block_size: int,
                         device: torch.device) -> str:
-        if (self.use_cpu_kernel and kv_cache_dtype == "auto" and block_size % 16 == 0
-                and varlen_kernel_for(dtype, self.head_dim, torch.device(device)) is not None):
-            return "pairs"
-        return "tokens"
+        if (not self.use_cpu_kernel or kv_cache_dtype != "auto"
+                or varlen_kernel_for(dtype, self.head_dim, torch.device(device)) is None):
+            return "tokens"
+        if block_size % 16:
+            log.warning("--block-size %d: the bf16 attention kernel reads blocks of a multiple of 16 "
+                        "tokens, so attention takes the slower decode-kernel + SDPA path; use "
+                        "--block-size 16 (the default) or 32 for the fast one", block_size)
+            return "tokens"
+        return "pairs"
 
     def _kernel(self, kind: str, q: torch.Tensor, kv_cache: KVCache):
         """The compiled kernel `kind` ("varlen" or "decode") when it applies to this step's
