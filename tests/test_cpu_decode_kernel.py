@@ -267,10 +267,13 @@ def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
     assert identical >= 6
 
 
-def test_block_sizes_the_varlen_kernel_cannot_read_keep_the_token_layout():
+def test_block_sizes_the_varlen_kernel_cannot_read_keep_the_token_layout(caplog):
     """The varlen kernel reads blocks of 16k keys; --block-size 8 keeps the token-major cache,
-    where the decode kernel and SDPA give the same answers."""
-    assert _layout(9, 3, 64, torch.bfloat16, 8) == "tokens"
+    where the decode kernel and SDPA give the same answers, and says why at start-up."""
+    with caplog.at_level("WARNING"):
+        assert _layout(9, 3, 64, torch.bfloat16, 8) == "tokens"
+    if varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is not None:
+        assert "--block-size 8" in caplog.text and "--block-size 16" in caplog.text
     assert _layout(9, 3, 64, torch.float32, 16) == "tokens"
     seq_lens = [1, 9, 40, 200]
     got, ref = run_step(torch.bfloat16, 9, 3, 64, 8, seq_lens, [1, 1, 1, 5], None, 4)
