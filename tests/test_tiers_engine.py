@@ -328,3 +328,34 @@ def test_tier_flag_errors_name_the_flag(tiny, tmp_path):
 def redis_server_flush(server):
     import redis
     redis.Redis.from_url(server.url).flushall()
+
+
+def test_bf16_kernel_layout_blocks_come_back_bit_exact(tmp_path):
+    """bf16 on an AVX512-BF16 CPU keeps the cache in the varlen kernel's "pairs" layout. A
+    prompt's blocks evicted to the host tier and restored give exactly the first run's tokens and
+    logprobs: prefill runs in block-sized chunks, so the second run recomputes exactly the chunk
+    the first run computed last, over K/V that must have come back bit for bit."""
+    import torch
+
+    from kvserve.model.attention.cpu_kernel import varlen_kernel_for
+    if varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is None:
+        pytest.skip("no AVX512-BF16 kernel here: bf16 keeps the token-major layout")
+    path = make_tiny_model(tmp_path, kind="llama_d64")
+    llm = LLM(str(path), dtype="bfloat16", block_size=BS, num_gpu_blocks_override=12, max_model_len=192,
+              max_num_batched_tokens=BS, swap_space=0.01, check_integrity=True)
+    try:
+        assert llm.engine.runner.kv_cache.layout == "pairs"
+        rng = random.Random(5)
+        prompt = [rng.randrange(256) for _ in range(40)]  # two whole blocks + 8 tokens
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+        first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        for _ in range(3):  # 10-block prompts push the first one's blocks out of the 12-block pool
+            llm.generate([[rng.randrange(256) for _ in range(150)]], greedy(), use_tqdm=False)
+        hits = llm.engine.get_stats().tier_hits["host"]
+        again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert llm.engine.get_stats().tier_hits["host"] >= hits + 2  # both whole blocks came back
+        assert again.token_ids == first.token_ids
+        assert again.logprobs == first.logprobs
+        llm.engine.kv.check_integrity()
+    finally:
+        llm.engine.close()

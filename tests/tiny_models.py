@@ -35,6 +35,8 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict]] = {
     "llama_mha": ("Llama", dict(num_key_value_heads=4, hidden_size=96, intermediate_size=160)),
     # head_dim set explicitly and != hidden / heads, as in Gemma-like or Qwen3-like configs
     "llama_head_dim": ("Llama", dict(head_dim=32)),
+    # head_dim 64: the size of the bf16 CPU attention kernel (and its "pairs" KV layout)
+    "llama_d64": ("Llama", dict(head_dim=64)),
     "mistral_swa": ("Mistral", dict(sliding_window=16, head_dim=16)),
     "qwen2_bias": ("Qwen2", dict(num_hidden_layers=2, use_sliding_window=False)),
 }
