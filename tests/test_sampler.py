@@ -169,3 +169,14 @@ def test_callers_logits_stay_intact(dtype):
     assert torch.equal(logits, before)
     assert out[0].token_id != 2
     assert out[2].token_id == int(before[2].float().argmax())
+
+
+def test_row_argmax_matches_torch_including_ties_and_nan():
+    from kvserve.model.sampler import row_argmax
+    x = torch.randn(7, 1000)
+    x[1, [5, 9]] = 50.0  # tie: the first one wins
+    x[2, [3, 800]] = float("nan")  # NaN: the first NaN, as torch does
+    x[3, [4, 6]] = float("inf")
+    for t in (x, x[::2], x.T.contiguous().T, x.bfloat16()):
+        assert torch.equal(row_argmax(t), t.argmax(-1))
+        assert row_argmax(t).dtype == torch.int64

@@ -82,6 +82,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` for 2-D x. On CPU float32 numpy's argmax does it: same answer (the first
+    maximum; the first NaN if any), 10x faster than torch's at [64, 49152] (0.16 vs 1.7 ms: a
+    greedy decode step at batch 64 spent 2 of its 3.4 ms of bookkeeping here)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        return torch.from_numpy(x.numpy().argmax(axis=1))
+    return x.argmax(-1)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -131,7 +140,7 @@ class Sampler:
             apply_penalties(sub, [rows[i] for i in pen])
             x[pen] = sub
 
-        token_ids = x.argmax(-1)  # the greedy answer; random rows are overwritten below
+        token_ids = row_argmax(x)  # the greedy answer; random rows are overwritten below
         rand = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_EPS]
         if rand:
             token_ids[rand] = self._draw(x[rand], [rows[i] for i in rand])
@@ -160,7 +169,7 @@ class Sampler:
                 noise[j].exponential_(generator=g)
         if shared:
             noise[shared] = torch.empty(len(shared), vocab, device=dev).exponential_(generator=self.generator)
-        return (probs / noise).argmax(-1)
+        return row_argmax(probs / noise)
 
     @staticmethod
     def _results(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, lp_rows: list[int],
