@@ -17,7 +17,9 @@
 // ~250 shuffles per 32 keys against ~190 VDPBF16PS for a decode's 3 query rows) and unpacked V:
 // reading in place made decode attention 1.4-1.7x faster (bench/NOTES.md).
 // Softmax is online (flash-attention style) per 32-key chunk, so a work item's memory is a few
-// KB whatever the context length. Work item = (sequence, K/V head, tile of <= TILE query tokens).
+// KB whatever the context length. Work item = (sequence, K/V head, tile of <= TILE query tokens);
+// items of 17..64 query rows (prefill tiles, cascade prefix items) take attend_tile, which puts
+// the rows in the lanes (1.2-1.3x faster there), decodes the row-major attend_item.
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -126,6 +128,56 @@ inline KeySpan key_span(const uint32_t* k32, const uint32_t* v32, const int64_t*
     return {k32 + blk_head * (DH / 2) * bs + o, v32 + blk_head * (bs / 2) * DH + (o / 2) * DH};
 }
 
+// The keys [kp0, kp0 + CHUNK) of head h as the dot products read them: whole 16-key halves in
+// place, partly visible ones masked into kscr [CHUNK/16][NP][16] / vscr [CHUNK/16][8][DH] (keys
+// outside [key_begin, key_end) read as zero: slots past a sequence's end may hold anything).
+struct ChunkView { const uint32_t* k[CHUNK / 16]; const uint32_t* v[CHUNK / 16]; int64_t kstride[CHUNK / 16]; };
+
+template <int DH>
+__attribute__((always_inline)) inline ChunkView stage_chunk(
+        const uint32_t* k32, const uint32_t* v32, const int64_t* table, int64_t kp0, int64_t key_begin,
+        int64_t key_end, int h, int hkv, int bs, uint32_t* kscr, uint32_t* vscr) {
+    constexpr int NP = DH / 2, NV = DH / 16;
+    ChunkView cv;
+    for (int half = 0; half < CHUNK / 16; ++half) {
+        const int64_t p0 = kp0 + 16 * half;
+        uint32_t* ks = kscr + half * NP * 16;
+        uint32_t* vs = vscr + half * 8 * DH;
+        if (p0 >= key_begin && p0 + 16 <= key_end) {  // all 16 keys visible: read in place
+            const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
+            cv.k[half] = sp.k; cv.kstride[half] = bs; cv.v[half] = sp.v;
+            continue;
+        }
+        cv.k[half] = ks; cv.kstride[half] = 16; cv.v[half] = vs;
+        const int64_t lo = std::max(p0, key_begin), hi = std::min(p0 + 16, key_end);
+        if (lo >= hi) {  // none visible (the chunk's edge): zeros, the scores are masked anyway
+            memset(ks, 0, sizeof(uint32_t) * NP * 16);
+            memset(vs, 0, sizeof(uint32_t) * 8 * DH);
+            continue;
+        }
+        const __mmask16 kmask = (__mmask16)(((1u << (hi - lo)) - 1) << (lo - p0));
+        uint32_t vmask_bits[8];
+        for (int u = 0; u < 8; ++u)
+            vmask_bits[u] = ((kmask >> (2 * u)) & 1 ? 0x55555555u : 0u) | ((kmask >> (2 * u + 1)) & 1 ? 0xaaaaaaaau : 0u);
+        const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
+        for (int j = 0; j < NP; ++j)
+            _mm512_storeu_si512(ks + 16 * j, _mm512_maskz_loadu_epi32(kmask, sp.k + j * bs));
+        for (int u = 0; u < 8; ++u)
+            for (int c = 0; c < NV; ++c)
+                _mm512_storeu_si512(vs + u * DH + 16 * c, _mm512_maskz_loadu_epi16((__mmask32)vmask_bits[u], sp.v + u * DH + 16 * c));
+    }
+    // Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for
+    // the next two chunks' keys of this head while this chunk is being used. The nearer one
+    // was asked for last time too; asking again (or asking only for the farther one, or into
+    // L2) measured slower: a full miss queue drops prefetches, and the repeat catches them.
+    for (int64_t p0 = kp0 + CHUNK; p0 < std::min<int64_t>(kp0 + 3 * CHUNK, key_end); p0 += 16) {
+        const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
+        for (int j = 0; j < NP; ++j) __builtin_prefetch(sp.k + j * bs);
+        for (int c = 0; c < 8 * DH; c += 16) __builtin_prefetch(sp.v + c);
+    }
+    return cv;
+}
+
 // One work item: `ntok` query tokens (rows qrow[], positions qpos[]) of K/V head h against the keys
 // at positions [key_begin, key_end) of `table` (further limited by causality and the window).
 // mode NORMAL starts from an empty softmax state and writes the normalised output; STORE starts
@@ -168,45 +220,10 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
-        const uint32_t* kh[CHUNK / 16];
-        const uint32_t* vh[CHUNK / 16];
-        int64_t kstride[CHUNK / 16];
-        for (int half = 0; half < CHUNK / 16; ++half) {
-            const int64_t p0 = kp0 + 16 * half;
-            uint32_t* ks = kscr + half * NP * 16;
-            uint32_t* vs = vscr + half * 8 * DH;
-            if (p0 >= key_begin && p0 + 16 <= key_end) {  // all 16 keys visible: read in place
-                const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
-                kh[half] = sp.k; kstride[half] = bs; vh[half] = sp.v;
-                continue;
-            }
-            kh[half] = ks; kstride[half] = 16; vh[half] = vs;
-            const int64_t lo = std::max(p0, key_begin), hi = std::min(p0 + 16, key_end);
-            if (lo >= hi) {  // none visible (the chunk's edge): zeros, the scores are masked anyway
-                memset(ks, 0, sizeof(uint32_t) * NP * 16);
-                memset(vs, 0, sizeof(uint32_t) * 8 * DH);
-                continue;
-            }
-            const __mmask16 kmask = (__mmask16)(((1u << (hi - lo)) - 1) << (lo - p0));
-            uint32_t vmask_bits[8];
-            for (int u = 0; u < 8; ++u)
-                vmask_bits[u] = ((kmask >> (2 * u)) & 1 ? 0x55555555u : 0u) | ((kmask >> (2 * u + 1)) & 1 ? 0xaaaaaaaau : 0u);
-            const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
-            for (int j = 0; j < NP; ++j)
-                _mm512_storeu_si512(ks + 16 * j, _mm512_maskz_loadu_epi32(kmask, sp.k + j * bs));
-            for (int u = 0; u < 8; ++u)
-                for (int c = 0; c < NV; ++c)
-                    _mm512_storeu_si512(vs + u * DH + 16 * c, _mm512_maskz_loadu_epi16((__mmask32)vmask_bits[u], sp.v + u * DH + 16 * c));
-        }
-        // Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for
-        // the next two chunks' keys of this head while this chunk is being used. The nearer one
-        // was asked for last time too; asking again (or asking only for the farther one, or into
-        // L2) measured slower: a full miss queue drops prefetches, and the repeat catches them.
-        for (int64_t p0 = kp0 + CHUNK; p0 < std::min<int64_t>(kp0 + 3 * CHUNK, key_end); p0 += 16) {
-            const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
-            for (int j = 0; j < NP; ++j) __builtin_prefetch(sp.k + j * bs);
-            for (int c = 0; c < 8 * DH; c += 16) __builtin_prefetch(sp.v + c);
-        }
+        const ChunkView cv = stage_chunk<DH>(k32, v32, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
+        const uint32_t* const* kh = cv.k;
+        const uint32_t* const* vh = cv.v;
+        const int64_t* kstride = cv.kstride;
         const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32((int)kp0));
         // Rows are interleaved in groups: one row alone is a chain of dependent VDPBF16PS
         // (latency ~6 cycles), which left the units mostly idle.
@@ -276,6 +293,169 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     }
 }
 
+// The same work item with its query rows in the lanes, for items of 17..64 rows (prefill tiles,
+// cascade prefix items). attend_item broadcasts each row's q pair against 16 keys, one broadcast
+// per VDPBF16PS; here a key's pair is broadcast against 16 rows, so q.k issues a third of the
+// loads, and the online softmax runs down the lanes with no horizontal reductions. P.V keeps
+// the pair trick: lanes hold (p_t, p_t+1) per row, against a broadcast (v_t[d], v_t+1[d]).
+// RV = vectors of 16 rows. Scratch: qT [NP][RV], O [DH][RV] (output, rows in lanes), pp [CHUNK/2][RV].
+template <int DH, int RV>
+void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t* qpos, int ntok,
+                 int64_t q_stride, int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                 const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int hkv, int bs,
+                 float scale, int64_t window, Mode mode, float* const* state, uint32_t* kscr,
+                 uint32_t* vscr, __m512i* qT, __m512* O, __m512i* pp) {
+    constexpr int NP = DH / 2;
+    constexpr int TB = RV <= 3 ? 8 : 4;  // keys per q.k register block (TB x RV accumulators)
+    constexpr int DB = RV <= 3 ? 8 : 4;  // d's per P.V register block
+    const int rows = ntok * g;
+    const uint32_t* k32 = (const uint32_t*)k_cache;
+    const uint32_t* v32 = (const uint32_t*)v_cache;
+    // Row r (lane r % 16 of vector r / 16) = tile token r / g, query head h * g + r % g.
+    uint32_t* qt = (uint32_t*)qT;
+    float* of = (float*)O;
+    auto lane = [](int r, int i) { return (i * RV + r / 16) * 16 + r % 16; };  // element i of row r
+    memset(qt, 0, sizeof(__m512i) * NP * RV);
+    alignas(64) int32_t posl[RV * 16];
+    alignas(64) float ml[RV * 16], ll[RV * 16];
+    for (int r = 0; r < RV * 16; ++r) { posl[r] = -1; ml[r] = -INFINITY; ll[r] = 0.f; }  // pad lanes see nothing
+    for (int r = 0; r < rows; ++r) {
+        const uint32_t* src = (const uint32_t*)(q + qrow[r / g] * q_stride + (int64_t)(h * g + r % g) * DH);
+        for (int j = 0; j < NP; ++j) qt[lane(r, j)] = src[j];
+        posl[r] = (int32_t)qpos[r / g];
+    }
+    auto row_state = [&](int r) { return state[r / g] + (int64_t)(h * g + r % g) * (DH + 2); };
+    memset(of, 0, sizeof(__m512) * DH * RV);
+    if (mode == LOAD)
+        for (int r = 0; r < rows; ++r) {
+            const float* st = row_state(r);
+            ml[r] = st[0]; ll[r] = st[1];
+            for (int d = 0; d < DH; ++d) of[lane(r, d)] = st[2 + d];
+        }
+    __m512i qposv[RV];
+    __m512 m[RV], l[RV];
+    for (int v = 0; v < RV; ++v) {
+        qposv[v] = _mm512_load_si512(posl + 16 * v);
+        m[v] = _mm512_load_ps(ml + 16 * v);
+        l[v] = _mm512_load_ps(ll + 16 * v);
+    }
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.f);
+    // vpermw indices interleaving the two bf16 halves of cvtne2ps: word 2i = i, 2i + 1 = 16 + i.
+    alignas(64) uint16_t pidx[32];
+    for (int i = 0; i < 16; ++i) { pidx[2 * i] = (uint16_t)i; pidx[2 * i + 1] = (uint16_t)(16 + i); }
+    const __m512i perm = _mm512_load_si512(pidx);
+    alignas(64) __m512 S[CHUNK][RV];
+    for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
+        const ChunkView cv = stage_chunk<DH>(k32, v32, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
+        for (int t0 = 0; t0 < CHUNK; t0 += TB) {  // S[t][v] = q_rows . k_t
+            __m512 acc[TB][RV];
+            for (int tt = 0; tt < TB; ++tt)
+                for (int v = 0; v < RV; ++v) acc[tt][v] = _mm512_setzero_ps();
+            const uint32_t* kb = cv.k[t0 / 16] + t0 % 16;
+            const int64_t ks = cv.kstride[t0 / 16];
+            for (int j = 0; j < NP; ++j) {
+                __m512bh qv[RV];
+                for (int v = 0; v < RV; ++v) qv[v] = as_bh(_mm512_load_si512(qT + j * RV + v));
+                for (int tt = 0; tt < TB; ++tt) {
+                    const __m512bh kv = as_bh(_mm512_set1_epi32((int)kb[j * ks + tt]));
+                    for (int v = 0; v < RV; ++v) acc[tt][v] = _mm512_dpbf16_ps(acc[tt][v], qv[v], kv);
+                }
+            }
+            for (int tt = 0; tt < TB; ++tt)
+                for (int v = 0; v < RV; ++v) S[t0 + tt][v] = acc[tt][v];
+        }
+        __m512 mx[RV];
+        for (int v = 0; v < RV; ++v) mx[v] = ninf;
+        for (int t = 0; t < CHUNK; ++t) {  // scale, mask (key range, causality, window), max
+            const int64_t kp = kp0 + t;
+            const bool in = kp >= key_begin && kp < key_end;
+            const __m512i vkp = _mm512_set1_epi32((int)kp), vkw = _mm512_set1_epi32((int)(kp + window));
+            for (int v = 0; v < RV; ++v) {
+                __mmask16 vis = in ? _mm512_cmpge_epi32_mask(qposv[v], vkp) : 0;
+                if (window > 0) vis &= _mm512_cmplt_epi32_mask(qposv[v], vkw);
+                S[t][v] = _mm512_mask_mul_ps(ninf, vis, S[t][v], vscale);
+                mx[v] = _mm512_max_ps(mx[v], S[t][v]);
+            }
+        }
+        __m512 alpha[RV];
+        for (int v = 0; v < RV; ++v) {
+            const __m512 mnew = _mm512_max_ps(m[v], mx[v]);
+            const __mmask16 live = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);  // some key seen
+            alpha[v] = _mm512_mask_blend_ps(live, one, exp512(_mm512_sub_ps(m[v], mnew)));
+            __m512 sum = _mm512_setzero_ps();
+            for (int t = 0; t < CHUNK; ++t) {
+                const __mmask16 seen = _mm512_cmp_ps_mask(S[t][v], ninf, _CMP_NEQ_OQ);
+                S[t][v] = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(S[t][v], mnew)));
+                sum = _mm512_add_ps(sum, S[t][v]);
+            }
+            l[v] = _mm512_fmadd_ps(l[v], alpha[v], sum);
+            m[v] = mnew;
+        }
+        for (int u = 0; u < CHUNK / 2; ++u)  // bf16 (p_2u, p_2u+1) pairs per row
+            for (int v = 0; v < RV; ++v)
+                pp[u * RV + v] = _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(S[2 * u + 1][v], S[2 * u][v]));
+        for (int d0 = 0; d0 < DH; d0 += DB) {  // O[d][v] = alpha * O + sum_u p pairs . v pairs
+            __m512 o[DB][RV];
+            for (int dd = 0; dd < DB; ++dd)
+                for (int v = 0; v < RV; ++v) o[dd][v] = _mm512_mul_ps(O[(d0 + dd) * RV + v], alpha[v]);
+            for (int u = 0; u < CHUNK / 2; ++u) {
+                const uint32_t* vu = cv.v[u / 8] + (u % 8) * DH + d0;
+                __m512bh pv[RV];
+                for (int v = 0; v < RV; ++v) pv[v] = as_bh(pp[u * RV + v]);
+                for (int dd = 0; dd < DB; ++dd) {
+                    const __m512bh vv = as_bh(_mm512_set1_epi32((int)vu[dd]));
+                    for (int v = 0; v < RV; ++v) o[dd][v] = _mm512_dpbf16_ps(o[dd][v], pv[v], vv);
+                }
+            }
+            for (int dd = 0; dd < DB; ++dd)
+                for (int v = 0; v < RV; ++v) O[(d0 + dd) * RV + v] = o[dd][v];
+        }
+    }
+    for (int v = 0; v < RV; ++v) {
+        _mm512_store_ps(ml + 16 * v, m[v]);
+        _mm512_store_ps(ll + 16 * v, l[v]);
+    }
+    for (int r = 0; r < rows; ++r) {
+        if (mode == STORE) {
+            float* st = row_state(r);
+            st[0] = ml[r]; st[1] = ll[r];
+            for (int d = 0; d < DH; ++d) st[2 + d] = of[lane(r, d)];
+            continue;
+        }
+        alignas(64) float row[DH];
+        const float inv = ll[r] > 0.f ? 1.f / ll[r] : 0.f;
+        for (int d = 0; d < DH; ++d) row[d] = of[lane(r, d)] * inv;
+        uint16_t* dst = out + qrow[r / g] * out_stride + (int64_t)(h * g + r % g) * DH;
+        for (int c = 0; c < DH / 16; ++c)
+            _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + 16 * c)));
+    }
+}
+
+// Runs one work item by the path that suits its row count (see attend_tile).
+struct Scratch {
+    uint32_t* kscr; uint32_t* vscr; float* acc; float* m; float* l; float* alpha; float* sc; uint16_t* pb;
+    __m512i* qT; __m512* O; __m512i* pp;
+};
+
+template <int DH>
+void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t* qpos, int ntok,
+            int64_t q_stride, int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+            const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int hkv, int bs,
+            float scale, int64_t window, Mode mode, float* const* state, const Scratch& w) {
+#define KVS_TILE(RV) attend_tile<DH, RV>(q, out, qrow, qpos, ntok, q_stride, out_stride, k_cache, v_cache, \
+        table, key_begin, key_end, h, g, hkv, bs, scale, window, mode, state, w.kscr, w.vscr, w.qT, w.O, w.pp)
+    switch ((ntok * g + 15) / 16) {
+        case 2: KVS_TILE(2); return;
+        case 3: KVS_TILE(3); return;
+        case 4: KVS_TILE(4); return;
+        default:
+            attend_item<DH>(q, out, qrow, qpos, ntok, q_stride, out_stride, k_cache, v_cache, table, key_begin,
+                            key_end, h, g, hkv, bs, scale, window, mode, state, w.kscr, w.vscr, w.acc, w.m,
+                            w.l, w.alpha, w.sc, w.pb);
+    }
+#undef KVS_TILE
+}
+
 struct WorkItem { int seq; int h; int tok0; int ntok; };
 struct PrefixItem { int group; int h; int member0; int nmembers; };
 
@@ -327,6 +507,10 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
         std::vector<float> acc((size_t)TILE * g * DH), m(TILE * g), l(TILE * g), alpha(TILE * g);
         float* sc = (float*)aligned_alloc(64, sizeof(float) * TILE * g * CHUNK);
         std::vector<uint16_t> pb((size_t)TILE * g * CHUNK);
+        __m512i* qT = (__m512i*)aligned_alloc(64, sizeof(__m512i) * (DH / 2) * 4);
+        __m512* O = (__m512*)aligned_alloc(64, sizeof(__m512) * DH * 4);
+        __m512i* pp = (__m512i*)aligned_alloc(64, sizeof(__m512i) * (CHUNK / 2) * 4);
+        const Scratch scratch{kscr, vscr, acc.data(), m.data(), l.data(), alpha.data(), sc, pb.data(), qT, O, pp};
         int64_t qrow[TILE], qpos[TILE];
         float* state[TILE];
         #pragma omp for schedule(dynamic, 1)
@@ -339,10 +523,9 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
                 qpos[j] = seq_lens[i] - 1;
                 state[j] = states.data() + (size_t)slot_of[i] * hq * (DH + 2);
             }
-            attend_item<DH>(q, out, qrow, qpos, it.nmembers, q_stride, out_stride, k_cache, v_cache,
-                            block_tables + members[0] * bt_stride, 0, group_prefix[it.group], it.h, g,
-                            hkv, bs, scale, 0, STORE, state, kscr, vscr, acc.data(), m.data(), l.data(),
-                            alpha.data(), sc, pb.data());
+            attend<DH>(q, out, qrow, qpos, it.nmembers, q_stride, out_stride, k_cache, v_cache,
+                       block_tables + members[0] * bt_stride, 0, group_prefix[it.group], it.h, g, hkv, bs,
+                       scale, 0, STORE, state, scratch);
         }  // implicit barrier: every saved state is complete before phase 2 reads it
         #pragma omp for schedule(dynamic, 1)
         for (size_t w = 0; w < items.size(); ++w) {  // phase 2: everything else
@@ -361,12 +544,14 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             } else if (window > 0) {
                 key_begin = std::max<int64_t>(0, pos0 - window + 1);
             }
-            attend_item<DH>(q, out, qrow, qpos, it.ntok, q_stride, out_stride, k_cache, v_cache,
-                            block_tables + (int64_t)it.seq * bt_stride, key_begin, pos0 + it.ntok, it.h,
-                            g, hkv, bs, scale, window, mode, state, kscr, vscr, acc.data(), m.data(),
-                            l.data(), alpha.data(), sc, pb.data());
+            attend<DH>(q, out, qrow, qpos, it.ntok, q_stride, out_stride, k_cache, v_cache,
+                       block_tables + (int64_t)it.seq * bt_stride, key_begin, pos0 + it.ntok, it.h, g, hkv,
+                       bs, scale, window, mode, state, scratch);
         }
         free(sc);
+        free(qT);
+        free(O);
+        free(pp);
     }
 }
 
