@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kvserve.config import ModelConfig
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
+from kvserve.model.fused import ElementwiseOps
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import Linear
 
@@ -46,23 +47,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return torch.where(is_medium, smoothed, scaled)
     raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported "
                               f"(supported: default, linear, llama3)")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`: torch's fused rms_norm
-    normalises in float32 and rounds once, bit-identical to those five ops (checked for fp32,
-    bf16 and fp16 at hidden sizes 64..4096) in one kernel."""
-    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos [T, 1, D] (cos repeated over both halves); sin_signed [T, 1, D] = (-sin, sin).
-    HF's x*cos + rotate_half(x)*sin with rotate_half(x) = (-x2, x1): the same products and sum
-    in the same dtype, so bit-identical, in four ops instead of ten."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    rotated.mul_(sin_signed)
-    return (x * cos).add_(rotated)
 
 
 class _Layer:
@@ -116,12 +100,13 @@ class LlamaModel:
         else:
             self.lm_head = Linear(take("lm_head.weight"))
         self.inv_freq = rope_inv_freq(c).to(self.device)
+        self.ops = ElementwiseOps(dtype, self.device)
         self.attn = attention_backend or TorchAttentionBackend(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, scale=c.head_dim ** -0.5,
             sliding_window=c.sliding_window)
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos [T, 1, D] and sin with the first half negated [T, 1, D], for `apply_rope`."""
+        """cos [T, 1, D] and sin with the first half negated [T, 1, D], for `fused.apply_rope`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 like HF
         cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
         return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
@@ -133,22 +118,23 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        ops, eps = self.ops, c.rms_norm_eps
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv_proj(x)
             # q and k are adjacent columns of qkv: one rotary pass over both heads sets.
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
+            qk = ops.rope(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
             o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
-            h = h + layer.o_proj(o.reshape(t, self.q_size))  # a new tensor: the embedding stays intact
-            x = rms_norm(h, layer.post_attn_norm, c.rms_norm_eps)
-            gate_up = layer.gate_up_proj(x)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h.add_(layer.down_proj(F.silu(gate).mul_(up)))
-        return rms_norm(h, self.norm, c.rms_norm_eps)
+            x = ops.add_rms_norm(h, layer.o_proj(o.reshape(t, self.q_size)), layer.post_attn_norm, eps)
+            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
+            # The residual add closes the layer and fuses with the next norm (or the final one).
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = ops.add_rms_norm(h, layer.down_proj(F.silu(gate).mul_(up)), next_norm, eps)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 DISABLE_ENV = "KVSERVE_CPU_KERNEL"  # "0" turns the compiled kernel off
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("paged_decode.cpp", "paged_attention_bf16.cpp")
+# One library for every compiled CPU op: the attention kernels here and the decoder's bf16
+# elementwise steps (model/csrc, called from model/fused.py).
+_SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp",
+            CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp")
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _HEAD_DIMS = (64, 128)  # unrolled instances; others up to _MAX_HEAD_DIM use the generic one
@@ -57,6 +60,12 @@ _VARLEN_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_
 # k, v, slots, T, k_stride, v_stride, k_cache, v_cache, hkv, head_dim, block_size
 _STORE_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ELEMENTWISE_ARGTYPES = {  # model/csrc/elementwise_bf16.cpp
+    "add_rms_norm_bf16": [_P, _P, _I64, _P, _P, _I64, _I64, ctypes.c_float],  # h, delta, its stride, w, out, T, H, eps
+    "rope_bf16": [_P, _I64, _I64, _I64, _I64, _P, _P],  # x, x_stride, T, nheads, D, cos, sin_signed
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -80,7 +89,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    sources = [CSRC / name for name in _SOURCES]
+    sources = list(_SOURCES)
     text = "".join(src.read_text() for src in sources)
     key = hashlib.sha256((text + version + _cpu_fingerprint()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention_{key}.so"
@@ -125,6 +134,10 @@ def load_library() -> ctypes.CDLL | None:
             lib.paged_attention_bf16_available.restype = ctypes.c_int
             lib.store_kv_pairs.argtypes = _STORE_ARGTYPES
             lib.store_kv_pairs.restype = None
+            for name, argtypes in _ELEMENTWISE_ARGTYPES.items():
+                getattr(lib, name).argtypes = argtypes
+                getattr(lib, name).restype = None
+            lib.elementwise_bf16_available.restype = ctypes.c_int
             _lib = lib
         except Exception as e:  # any build or load failure: fall back, say why once
             log.warning("paged decode kernel unavailable, using the pure-torch path: %s", e)
@@ -145,6 +158,14 @@ def store_pairs_kernel():
     """`store_kv_pairs` (writes into the "pairs" KV layout, any 16-bit dtype), or None."""
     lib = load_library()
     return None if lib is None else lib.store_kv_pairs
+
+
+def elementwise_kernels():
+    """(add_rms_norm_bf16, rope_bf16) of model/csrc where this CPU has AVX512-BF16, else None."""
+    lib = load_library()
+    if lib is None or not lib.elementwise_bf16_available():
+        return None
+    return lib.add_rms_norm_bf16, lib.rope_bf16
 
 
 def varlen_kernel_for(dtype: torch.dtype, head_dim: int, device: torch.device):
