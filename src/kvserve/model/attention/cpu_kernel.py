@@ -89,8 +89,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    sources = list(_SOURCES)
-    text = "".join(src.read_text() for src in sources)
+    text = "".join(src.read_text() for src in _SOURCES)
     key = hashlib.sha256((text + version + _cpu_fingerprint()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention_{key}.so"
     if target.exists():
@@ -99,7 +98,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         so = Path(tmp) / "paged_attention.so"
         cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-               *map(str, sources), "-o", str(so)]
+               *map(str, _SOURCES), "-o", str(so)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")

@@ -135,9 +135,11 @@ struct ChunkView { const uint32_t* k[CHUNK / 16]; const uint32_t* v[CHUNK / 16];
 
 template <int DH>
 __attribute__((always_inline)) inline ChunkView stage_chunk(
-        const uint32_t* k32, const uint32_t* v32, const int64_t* table, int64_t kp0, int64_t key_begin,
-        int64_t key_end, int h, int hkv, int bs, uint32_t* kscr, uint32_t* vscr) {
+        const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t kp0,
+        int64_t key_begin, int64_t key_end, int h, int hkv, int bs, uint32_t* kscr, uint32_t* vscr) {
     constexpr int NP = DH / 2, NV = DH / 16;
+    const uint32_t* k32 = (const uint32_t*)k_cache;  // bf16 pairs as 32-bit words
+    const uint32_t* v32 = (const uint32_t*)v_cache;
     ChunkView cv;
     for (int half = 0; half < CHUNK / 16; ++half) {
         const int64_t p0 = kp0 + 16 * half;
@@ -178,6 +180,12 @@ __attribute__((always_inline)) inline ChunkView stage_chunk(
     return cv;
 }
 
+// The saved softmax state (m, l, then acc[DH]) of row r = token r / g, query head h * g + r % g.
+template <int DH>
+inline float* state_row(float* const* state, int r, int g, int h) {
+    return state[r / g] + (int64_t)(h * g + r % g) * (DH + 2);
+}
+
 // One work item: `ntok` query tokens (rows qrow[], positions qpos[]) of K/V head h against the keys
 // at positions [key_begin, key_end) of `table` (further limited by causality and the window).
 // mode NORMAL starts from an empty softmax state and writes the normalised output; STORE starts
@@ -196,8 +204,6 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
                  uint32_t* vscr, float* acc, float* m, float* l, float* alpha, float* sc, uint16_t* pb) {
     constexpr int NP = DH / 2, NV = DH / 16;
     const int rows = ntok * g;
-    const uint32_t* k32 = (const uint32_t*)k_cache;
-    const uint32_t* v32 = (const uint32_t*)v_cache;
     // Row r = tile token r / g, query head h * g + r % g. Its d-pairs as uint32 for broadcasting;
     // the softmax scale is applied to the float32 scores (no extra bf16 rounding of q).
     std::vector<uint32_t> qp((size_t)rows * NP);
@@ -205,8 +211,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         const uint16_t* src = q + qrow[tq] * q_stride + (int64_t)h * g * DH;
         memcpy(&qp[(size_t)tq * g * NP], src, (size_t)g * DH * 2);
     }
-    // State of row r (token r / g, head h * g + r % g): m, l, then acc.
-    auto row_state = [&](int r) { return state[r / g] + (int64_t)(h * g + r % g) * (DH + 2); };
+    auto row_state = [&](int r) { return state_row<DH>(state, r, g, h); };
     if (mode == LOAD) {
         for (int r = 0; r < rows; ++r) {
             const float* st = row_state(r);
@@ -220,7 +225,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
-        const ChunkView cv = stage_chunk<DH>(k32, v32, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
+        const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
         const uint32_t* const* kh = cv.k;
         const uint32_t* const* vh = cv.v;
         const int64_t* kstride = cv.kstride;
@@ -309,8 +314,6 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     constexpr int TB = RV <= 3 ? 8 : 4;  // keys per q.k register block (TB x RV accumulators)
     constexpr int DB = RV <= 3 ? 8 : 4;  // d's per P.V register block
     const int rows = ntok * g;
-    const uint32_t* k32 = (const uint32_t*)k_cache;
-    const uint32_t* v32 = (const uint32_t*)v_cache;
     // Row r (lane r % 16 of vector r / 16) = tile token r / g, query head h * g + r % g.
     uint32_t* qt = (uint32_t*)qT;
     float* of = (float*)O;
@@ -324,7 +327,7 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         for (int j = 0; j < NP; ++j) qt[lane(r, j)] = src[j];
         posl[r] = (int32_t)qpos[r / g];
     }
-    auto row_state = [&](int r) { return state[r / g] + (int64_t)(h * g + r % g) * (DH + 2); };
+    auto row_state = [&](int r) { return state_row<DH>(state, r, g, h); };
     memset(of, 0, sizeof(__m512) * DH * RV);
     if (mode == LOAD)
         for (int r = 0; r < rows; ++r) {
@@ -346,7 +349,7 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     const __m512i perm = _mm512_load_si512(pidx);
     alignas(64) __m512 S[CHUNK][RV];
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
-        const ChunkView cv = stage_chunk<DH>(k32, v32, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
+        const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
         for (int t0 = 0; t0 < CHUNK; t0 += TB) {  // S[t][v] = q_rows . k_t
             __m512 acc[TB][RV];
             for (int tt = 0; tt < TB; ++tt)
