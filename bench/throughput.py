@@ -7,6 +7,7 @@ transformers runs static batches of 16 (left-padded) with the same weights and d
 
     python bench/throughput.py                       # full run, embedded SmolLM2, dtype auto
     python bench/throughput.py --num-requests 16 --skip-hf   # quicker look
+    python bench/throughput.py --skip-hf --workloads random --kv-cache-dtype int8   # quantized KV
 Prints a table and writes bench/results/throughput.json.
 """
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-memory", default="4GiB")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="kvserve's KV cache dtype (auto, fp8, int8, int4)")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--workloads", default="random,shared")
     ap.add_argument("--json", default="bench/results/throughput.json")
@@ -95,9 +97,10 @@ def main(argv=None) -> int:
     results: dict = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                                  "torch": torch.__version__, "threads": torch.get_num_threads()},
                      "dtype": str(dtype).replace("torch.", ""), "num_requests": args.num_requests,
-                     "workloads": {}}
+                     "kv_cache_dtype": args.kv_cache_dtype, "workloads": {}}
     common = dict(dtype=results["dtype"], kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_dtype=args.kv_cache_dtype)
     workloads = make_workloads(args.num_requests, 49152)
     wanted = args.workloads.split(",")
     rows = []
@@ -120,6 +123,7 @@ def main(argv=None) -> int:
             rows.append((name, "transformers generate (batch 16)", r))
 
     print(f"\nOffline throughput, {args.num_requests} requests, dtype {results['dtype']}, "
+          f"kv cache {args.kv_cache_dtype}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}")
     print(f"{'workload':<8} {'system':<36} {'seconds':>8} {'out tok/s':>10} {'cached tok':>10} {'vs HF':>7}")
     for name, key, r in rows:

@@ -325,7 +325,7 @@ def test_residual_pool_eviction_reopen_and_exhaustion():
         step_v = (v.amax(2, keepdim=True) - v.amin(2, keepdim=True)) / 255
         assert bool(((gv[:12] - v).abs() <= bs * step_v * 0.5 * 1.01 + 1e-6).all())
     assert c.residual_evictions > 0
-    with pytest.raises(RuntimeError, match="num_residual_blocks >= max_num_seqs"):
+    with pytest.raises(RuntimeError, match=r"num_residual_blocks >= residual_blocks_for\(max_num_seqs\)"):
         c.write(0, torch.tensor([13 * bs, 14 * bs, 15 * bs]), torch.zeros(3, 2, 16), torch.zeros(3, 2, 16))
 
 

@@ -211,3 +211,26 @@ def test_other_kv_dtype_never_restores_from_a_shared_disk_tier(tiny, roomy_outpu
                 reader.engine.kv_transfer.decode(memoryview(payload))
         finally:
             reader.engine.close()
+
+
+@pytest.mark.parametrize("dt", ["int8", "fp8_e4m3"])
+def test_residual_pool_holds_a_full_batch_beside_a_chunk_cut_mid_block(tiny, dt, monkeypatch):
+    """max_num_seqs running sequences each hold an open block; a prefill chunk that the token
+    budget cut mid-block continues in its open block and ends in a new one, so one write needs
+    max_num_seqs + 1 entries. Sized at exactly max_num_seqs the pool ran dry there and the step
+    failed (found on `random` with --max-num-seqs 64)."""
+    from kvserve.model import kv_cache_quant
+
+    rng = random.Random(8)
+    # Step 1 (40 tokens): three 10-token prompts whole and the long one's first 10 tokens (cut
+    # mid-block). Step 2: three decodes beside the long prompt's next chunk, tokens 10..46.
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (10, 10, 10, 100)]
+    common = dict(dtype="float32", kv_cache_dtype=dt, block_size=16, max_model_len=128,
+                  max_num_batched_tokens=40, max_num_seqs=4, num_gpu_blocks_override=64)
+    llm = LLM(tiny, **common)
+    assert llm.engine.runner.kv_cache.num_residual_blocks == 5
+    outs = llm.generate(prompts, greedy(6), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 4
+    monkeypatch.setattr(kv_cache_quant, "residual_blocks_for", lambda max_num_seqs: max_num_seqs)
+    with pytest.raises(RuntimeError, match="residual pool exhausted"):  # the scenario is the one above
+        LLM(tiny, **common).generate(prompts, greedy(6), use_tqdm=False)

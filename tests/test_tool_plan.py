@@ -69,11 +69,12 @@ def test_fp8_halves_a_16_bit_cache(name):
         H, D = cfg.num_key_value_heads, cfg.head_dim
         assert p.bytes_per_block == bf16.bytes_per_block // 2 + cfg.num_hidden_layers * (2 * 4 * H + H * D)
         # The pool nearly doubles (64/33: the means cost 1/16 byte per element at block 16), less
-        # the full-precision residual block kept open per running sequence.
+        # the full-precision residual blocks: one open per running sequence, plus one.
         one = plan_kv(cfg, 8 * GIB, 16, fp8, "bfloat16", 4096, max_num_seqs=1)
         assert 1.93 < one.num_tokens / bf16.num_tokens <= 64 / 33
-        residual = 256 * bf16.bytes_per_block
-        assert p.num_blocks == (8 * GIB - residual - 256 * 16 * cfg.num_hidden_layers) // p.bytes_per_block
+        entries = 256 + 1  # residual_blocks_for(max_num_seqs=256)
+        residual = entries * bf16.bytes_per_block
+        assert p.num_blocks == (8 * GIB - residual - entries * 16 * cfg.num_hidden_layers) // p.bytes_per_block
 
 
 def test_smollm2_quantized_figures_by_hand():

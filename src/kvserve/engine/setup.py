@@ -137,11 +137,12 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
 
 
 def _kv_cache_options(args: EngineArgs, cfg: ModelConfig, weights: dict) -> dict:
-    """Quantized caches: one residual (open) block per running sequence, and the checkpoint's
+    """Quantized caches: the residual pool (an open block per running sequence), and the checkpoint's
     static fp8 scales (vLLM's `self_attn.k_scale` / `v_scale`) when it ships them."""
     if args.kv_cache_dtype == "auto":
         return {}
-    options: dict = {"num_residual_blocks": args.max_num_seqs}
+    from kvserve.model.kv_cache_quant import residual_blocks_for
+    options: dict = {"num_residual_blocks": residual_blocks_for(args.max_num_seqs)}
     if args.kv_cache_dtype.startswith("fp8") and any(k.endswith(("k_scale", "v_scale", "kv_scale")) for k in weights):
         from kvserve.kv.quant import KVScales
         options["kv_scales"] = KVScales.from_weights(weights, cfg.num_hidden_layers)

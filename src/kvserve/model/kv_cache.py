@@ -267,11 +267,12 @@ def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, kv_cach
 def kv_cache_reserved_bytes(model_config: ModelConfig, block_size: int, kv_cache_dtype: str,
                             model_dtype: torch.dtype, max_num_seqs: int) -> int:
     """Memory a cache allocates besides its blocks (a quantized cache's full-precision residual
-    pool, one open block per running sequence): taken off the KV budget before it buys blocks."""
+    pool, about one open block per running sequence): taken off the KV budget before it buys blocks."""
     residual = getattr(kv_cache_class(kv_cache_dtype), "residual_bytes", None)
     if residual is None:
         return 0
-    return residual(model_config, block_size, kv_cache_dtype, model_dtype, max_num_seqs)
+    from kvserve.model.kv_cache_quant import residual_blocks_for
+    return residual(model_config, block_size, kv_cache_dtype, model_dtype, residual_blocks_for(max_num_seqs))
 
 
 def create_kv_cache(model_config: ModelConfig, *, num_blocks: int, block_size: int,

@@ -8,7 +8,7 @@ from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv import quant
 from kvserve.kv.quant import KVScales
 from kvserve.model.kv_cache import register_kv_cache
-from kvserve.model.kv_cache_quant import QuantizedKVCache
+from kvserve.model.kv_cache_quant import DequantField, QuantizedKVCache, _meta
 
 
 @register_kv_cache("fp8", "fp8_e4m3", "fp8_e5m2")
@@ -102,4 +102,17 @@ class Fp8PagedKVCache(QuantizedKVCache):
             else:
                 scale = self._static_scale(name, layer)
             out.append(quant.dequantize_fp8(quant.Fp8Quantized(data, scale, mean), self.dtype))
+        return out[0], out[1]
+
+    def dequant_fields(self, layer):
+        nb, bs, H, D = self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+        fmt = "e4m3" if self.kind == "fp8_e4m3" else "e5m2"
+        out = []
+        for name in ("k", "v"):
+            s = self.fields[name + "_scale"][layer] if self.staged else self.static[name][layer]
+            scale = _meta(s.reshape(-1, 1, s.shape[-1] if s.dim() else 1, 1), bs, D, (nb, 1, H, 1))
+            zero = None
+            if name == "k" and self.center_keys:
+                zero = _meta(self.fields["k_mean"][layer][:, None], bs, 1, (nb, 1, H, D))
+            out.append(DequantField(self.fields[name][layer].view(torch.uint8), fmt, 0.0, scale, zero, None))
         return out[0], out[1]

@@ -7,7 +7,7 @@ import torch
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv import quant
 from kvserve.model.kv_cache import register_kv_cache
-from kvserve.model.kv_cache_quant import QuantizedKVCache
+from kvserve.model.kv_cache_quant import DequantField, QuantizedKVCache, _meta
 
 # Measured (bench/kv_quality.py --quick, SmolLM2-135M): int4 perplexity +0.21 % at 32 vs +1.03 % at
 # 64 for 4 % more bytes per token (value groups; key groups are clipped to the block anyway).
@@ -116,3 +116,22 @@ class IntPagedKVCache(QuantizedKVCache):
         else:
             k = self._get(layer, "k", block_ids, self.groups.value_channels, axis=3)
         return k, self._get(layer, "v", block_ids, self.groups.value_channels, axis=3)
+
+    def dequant_fields(self, layer):
+        nb, bs, H, D = self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+        out = []
+        for name in ("k", "v"):
+            # Groups of tokens per channel (staged keys) or of channels per token (the rest).
+            gt, gd = (self.groups.key_tokens, 1) if name == "k" and self.staged else (1, self.groups.value_channels)
+            shape = (nb, bs // gt, H, D // gd)
+            scale = _meta(self.fields[name + "_scale"][layer], gt, gd, shape)
+            zero = self.fields.get(name + "_zero")
+            zero = None if zero is None else _meta(zero[layer], gt, gd, shape)
+            exp = self.fields.get(name + "_exp")
+            if exp is not None:  # one per block (staged) or per token
+                per = exp.shape[-1]
+                exp = _meta(exp[layer].view(nb, per, 1, 1), bs // per, D, (nb, per, H, 1))
+            offset = float(1 << (self.bits - 1)) if self.symmetric[name] else 0.0
+            out.append(DequantField(self.fields[name][layer], "int4" if self.bits == 4 else "uint8",
+                                    offset, scale, zero, exp))
+        return out[0], out[1]

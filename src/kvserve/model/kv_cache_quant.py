@@ -12,15 +12,16 @@ slot is written it is quantized once, with statistics over all its tokens, and i
 entry is released. Residual entries are reclaimed least-recently-written first; an evicted
 partial block is quantized as it stands (its unwritten slots padded with the channel mean so
 they do not widen any group) and brought back to the residual if it is written again.
-The residual is a fixed pool (`num_residual_blocks`, size it to max_num_seqs: one open block per
-running sequence); its bytes are `residual_bytes(...)`, outside `bytes_per_block`.
+The residual is a fixed pool (`num_residual_blocks`, `residual_blocks_for(max_num_seqs)`: one
+open block per running sequence and one more, see there); its bytes are `residual_bytes(...)`,
+outside `bytes_per_block`.
 
 fp8 with static scales (a checkpoint's k_scale / v_scale) and int with `residual=False` (keys
 quantized per token like values) need no residual: every token is quantized when written.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -29,13 +30,49 @@ from kvserve.engine.scheduler_output import BlockCopy
 from kvserve.kv import quant
 from kvserve.model.kv_cache import KVCache, _copy_slot_indices
 
-DEFAULT_NUM_RESIDUAL_BLOCKS = 256  # = EngineArgs.max_num_seqs default
+def residual_blocks_for(max_num_seqs: int) -> int:
+    """Residual entries one step's write can need at once: an open block per running sequence,
+    plus one for the sequence whose prefill chunk the token budget cut mid-block in the step
+    before (its next chunk starts in that open block and ends in a new one; the scheduler cuts at
+    most one chunk per step, and prefix-cache hits and recomputes resume at block boundaries).
+    With exactly max_num_seqs entries a full batch of decodes beside such a chunk exhausted
+    the pool."""
+    return max_num_seqs + 1
+
+
+DEFAULT_NUM_RESIDUAL_BLOCKS = residual_blocks_for(256)  # EngineArgs.max_num_seqs default
 
 
 def _residual_state_bytes(model_config: ModelConfig, block_size: int, model_dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=model_dtype).element_size()
     per_layer = 2 * block_size * model_config.num_key_value_heads * model_config.head_dim * elem
     return model_config.num_hidden_layers * (per_layer + block_size)  # + the fill mask (bool)
+
+
+class MetaRef(NamedTuple):
+    """A per-group number of a quantized field (scale, zero point, key mean or exponent): for
+    block b, token t, head h, channel d it is `tensor[b, t // group_tokens, h, d // group_channels]`
+    (a 4-D view; broadcast dims are expanded with stride 0)."""
+    tensor: torch.Tensor
+    group_tokens: int
+    group_channels: int
+
+
+class DequantField(NamedTuple):
+    """How one layer's K or V is stored, for kernels that dequantize blocks themselves
+    (attention/staging.py): x = ((code - code_offset) * scale + zero) * 2**exponent, rounded to
+    float32 after each operation as `_load_blocks` does, then to the model dtype."""
+    codes: torch.Tensor  # [num_blocks, bs, H, P] uint8: P = D, or D / 2 (int4, low nibble first)
+    code_format: str  # "uint8", "int4", "e4m3" or "e5m2"
+    code_offset: float
+    scale: MetaRef
+    zero: MetaRef | None
+    exponent: MetaRef | None  # int8 powers of two
+
+
+def _meta(t: torch.Tensor, group_tokens: int, group_channels: int, shape: tuple[int, ...]) -> MetaRef:
+    """`t` viewed 4-D and expanded to `shape` = (blocks, bs / group_tokens, H, D / group_channels)."""
+    return MetaRef(t.expand(shape), group_tokens, group_channels)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -95,6 +132,15 @@ class QuantizedKVCache(KVCache):
     def _load_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize `block_ids` -> k, v `[nb, block_size, H, D]` in self.dtype."""
         raise NotImplementedError
+
+    def dequant_fields(self, layer: int) -> tuple[DequantField, DequantField]:
+        """K and V of `layer` as stored (sealed blocks; open ones are in `residual(layer)`)."""
+        raise NotImplementedError
+
+    def residual(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The open blocks of `layer`: (rows `[entries, 2, bs, H, D]`, entry per block `[num_blocks]`,
+        -1 when sealed), or None for a cache without a residual pool."""
+        return (self.res_kv[layer], self.block_res[layer]) if self.staged else None
 
     # -- accounting --
 
@@ -289,7 +335,7 @@ class QuantizedKVCache(KVCache):
                 raise RuntimeError(
                     f"KV residual pool exhausted: one write needs {blocks.numel()} open blocks but the "
                     f"pool has {self.num_residual_blocks} entries; build the cache with "
-                    f"num_residual_blocks >= max_num_seqs (or lower --max-num-seqs)")
+                    f"num_residual_blocks >= residual_blocks_for(max_num_seqs) (or lower --max-num-seqs)")
             victims = cand[self.res_clock[layer, cand].argsort()[:need]]
             self._seal(layer, victims)
             self.residual_evictions += int(victims.numel())

@@ -38,7 +38,7 @@ DISABLE_ENV = "KVSERVE_CPU_KERNEL"  # "0" turns the compiled kernel off
 CSRC = Path(__file__).resolve().parent / "csrc"
 # One library for every compiled CPU op: the attention kernels here and the decoder's bf16
 # elementwise steps (model/csrc, called from model/fused.py).
-_SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp",
+_SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "stage_quantized.cpp",
             CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp")
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -62,6 +62,21 @@ _STORE_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_i
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class MetaRefC(ctypes.Structure):  # csrc/stage_quantized.cpp's MetaRef
+    _fields_ = [("ptr", _P), ("sb", _I64), ("st", _I64), ("sh", _I64), ("sd", _I64),
+                ("gt", ctypes.c_int32), ("gd", ctypes.c_int32), ("kind", ctypes.c_int32)]
+
+
+class QFieldC(ctypes.Structure):  # csrc/stage_quantized.cpp's QField
+    _fields_ = [("codes", _P), ("code_block", _I64), ("code_kind", ctypes.c_int32),
+                ("code_offset", ctypes.c_float), ("scale", MetaRefC), ("zero", MetaRefC), ("expo", MetaRefC)]
+
+
+# kf, vf, res, block_res, block_ids, n, out_k, out_v, hkv, head_dim, block_size
+_STAGE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P, _I64, _P, _P,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
 _ELEMENTWISE_ARGTYPES = {  # model/csrc/elementwise_bf16.cpp
     "add_rms_norm_bf16": [_P, _P, _I64, _P, _P, _I64, _I64, ctypes.c_float],  # h, delta, its stride, w, out, T, H, eps
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _P, _P],  # x, x_stride, T, nheads, D, cos, sin_signed
@@ -133,6 +148,9 @@ def load_library() -> ctypes.CDLL | None:
             lib.paged_attention_bf16_available.restype = ctypes.c_int
             lib.store_kv_pairs.argtypes = _STORE_ARGTYPES
             lib.store_kv_pairs.restype = None
+            lib.stage_quantized_pairs.argtypes = _STAGE_ARGTYPES
+            lib.stage_quantized_pairs.restype = None
+            lib.stage_quantized_available.restype = ctypes.c_int
             for name, argtypes in _ELEMENTWISE_ARGTYPES.items():
                 getattr(lib, name).argtypes = argtypes
                 getattr(lib, name).restype = None
@@ -157,6 +175,13 @@ def store_pairs_kernel():
     """`store_kv_pairs` (writes into the "pairs" KV layout, any 16-bit dtype), or None."""
     lib = load_library()
     return None if lib is None else lib.store_kv_pairs
+
+
+def stage_quantized_kernel():
+    """`stage_quantized_pairs` (quantized blocks -> bf16 pairs layout) where this CPU has
+    AVX512-BF16, else None."""
+    lib = load_library()
+    return None if lib is None or not lib.stage_quantized_available() else lib.stage_quantized_pairs
 
 
 def elementwise_kernels():

@@ -8,8 +8,10 @@ On CPU, attention over the full-precision cache goes through compiled kernels (c
 that read each sequence's blocks in place instead of gathering a padded copy: for bf16 on
 AVX512-BF16 CPUs one varlen call covers every sequence of the step, decodes and prefill chunks
 alike, over a cache in the "pairs" layout it asks for (`kv_cache_layout`); for float32 (and bf16
-elsewhere) a decode-only kernel covers the decodes over the "tokens" layout. SDPA is the
-fallback (no compiler, quantized caches, other devices or dtypes) and the reference.
+elsewhere) a decode-only kernel covers the decodes over the "tokens" layout; quantized caches
+(fp8, int8, int4) under a bf16 model are dequantized block by block into a bf16 pairs scratch
+that the same varlen kernel reads (staging.py). SDPA is the fallback (no compiler, other devices
+or dtypes) and the reference.
 
 A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` only when
 `0 <= qp - kp < window`; blocks wholly left of every query's window are not gathered at all.
@@ -26,6 +28,8 @@ import torch.nn.functional as F
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.cascade import NO_GROUPS, PrefixGroups, shared_prefix_groups
 from kvserve.model.attention.cpu_kernel import decode_kernel_for, varlen_kernel_for
+from kvserve.model.attention.staging import (STAGE_BYTES, StagePart, StageScratch, plan_stage_parts,
+                                              step_token_slots)
 from kvserve.model.kv_cache import KVCache, PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,14 @@ class _VarlenPlan:  # every sequence of the step, as the varlen kernel takes the
 
 
 @dataclass
+class _StagedPlan:  # one part of a step over a quantized cache (staging.py)
+    part: StagePart
+    varlen: _VarlenPlan  # over the part's renumbered tables
+    rows: slice  # the part's token rows in q / k / v
+    slots: torch.Tensor  # [rows] int64: their slots in the scratch
+
+
+@dataclass
 class _KernelDecodePlan:
     token_ids: torch.Tensor  # [Nd] long, contiguous: token rows of the decodes
     block_tables: torch.Tensor  # [Nd, max_blocks] long, contiguous
@@ -72,6 +84,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.use_cpu_kernel = use_cpu_kernel
         self.cascade = cascade
         self._kernels: dict[tuple[str, torch.dtype, torch.device], object] = {}
+        self._scratch: StageScratch | None = None
 
     def kv_cache_layout(self, kv_cache_dtype: str, dtype: torch.dtype, block_size: int,
                         device: torch.device) -> str:
@@ -86,16 +99,23 @@ class TorchAttentionBackend(AttentionBackend):
         return "pairs"
 
     def _kernel(self, kind: str, q: torch.Tensor, kv_cache: KVCache):
-        """The compiled kernel `kind` ("varlen" or "decode") when it applies to this step's
-        tensors and the cache's layout, else None."""
-        if (not self.use_cpu_kernel or not isinstance(kv_cache, PagedKVCache)
-                or kv_cache.layout != ("pairs" if kind == "varlen" else "tokens")
-                or q.dtype != kv_cache.dtype or q.stride(2) != 1 or q.stride(1) != self.head_dim):
+        """The compiled kernel `kind` when it applies to this step's tensors and the cache, else
+        None: "varlen" over a pairs-layout cache, "decode" over a tokens-layout one, "staged"
+        (the varlen kernel over a bf16 scratch) over a quantized cache with blocks of 16k."""
+        if (not self.use_cpu_kernel or q.dtype != kv_cache.dtype
+                or q.stride(2) != 1 or q.stride(1) != self.head_dim):
+            return None
+        if kind == "staged":
+            if isinstance(kv_cache, PagedKVCache) or kv_cache.block_size % 16:
+                return None
+        elif not isinstance(kv_cache, PagedKVCache) or kv_cache.layout != ("pairs" if kind == "varlen" else "tokens"):
             return None
         key = (kind, q.dtype, q.device)
         if key not in self._kernels:
-            find = varlen_kernel_for if kind == "varlen" else decode_kernel_for
+            find = decode_kernel_for if kind == "decode" else varlen_kernel_for
             self._kernels[key] = find(q.dtype, self.head_dim, q.device)
+        if kind == "staged" and self._kernels[key] is not None and self._scratch is None:
+            self._scratch = StageScratch()
         return self._kernels[key]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -104,7 +124,15 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         varlen = self._kernel("varlen", q, kv_cache)
         if varlen is not None:
-            self._varlen(varlen, layer, self._varlen_plan(meta), q, out, kv_cache)
+            k_cache, v_cache = kv_cache.layer_blocks(layer)
+            self._varlen(varlen, self._varlen_plan(meta), q, out, k_cache, v_cache, kv_cache.block_size)
+            return out
+        staged = self._kernel("staged", q, kv_cache)
+        if staged is not None:
+            for plan in self._staged_plans(meta, kv_cache):
+                k_cache, v_cache = self._scratch.fill(kv_cache, layer, plan.part.block_ids)
+                self._scratch.overlay(k[plan.rows], v[plan.rows], plan.slots, kv_cache.block_size)
+                self._varlen(staged, plan.varlen, q, out, k_cache, v_cache, kv_cache.block_size)
             return out
         kernel = self._kernel("decode", q, kv_cache) if meta.num_decodes else None
         prefills, decode = self._plans(meta, kernel is not None)
@@ -137,16 +165,42 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _varlen_plan(self, meta: AttentionMetadata) -> _VarlenPlan:
         if "varlen" not in meta.backend_state:
-            qsl = meta.query_start_loc
-            tables = meta.block_tables.contiguous()
-            groups = NO_GROUPS
-            if self.cascade and self.sliding_window is None and meta.num_decodes:
-                groups = shared_prefix_groups(tables.numpy(), np.asarray(meta.seq_lens),
-                                              np.asarray(meta.query_lens), meta.block_size)
-            meta.backend_state["varlen"] = _VarlenPlan(
-                torch.tensor(qsl[:-1], dtype=torch.int64), torch.tensor(meta.query_lens, dtype=torch.int64),
-                tables, meta.seq_lens_tensor.contiguous(), groups)
+            meta.backend_state["varlen"] = self._make_varlen_plan(
+                meta, slice(0, meta.num_seqs), meta.block_tables.contiguous())
         return meta.backend_state["varlen"]
+
+    def _make_varlen_plan(self, meta: AttentionMetadata, seqs: slice, tables: torch.Tensor) -> _VarlenPlan:
+        """The kernel's arguments for sequences `seqs` of the step, reading `tables`."""
+        query_lens, seq_lens = meta.query_lens[seqs], meta.seq_lens[seqs]
+        groups = NO_GROUPS
+        if self.cascade and self.sliding_window is None and 1 in query_lens:
+            groups = shared_prefix_groups(tables.numpy(), np.asarray(seq_lens), np.asarray(query_lens),
+                                          meta.block_size)
+        return _VarlenPlan(torch.tensor(meta.query_start_loc[seqs], dtype=torch.int64),
+                           torch.tensor(query_lens, dtype=torch.int64), tables,
+                           torch.tensor(seq_lens, dtype=torch.int64), groups)
+
+    def _staged_plans(self, meta: AttentionMetadata, kv_cache: KVCache) -> list[_StagedPlan]:
+        """Parts of the step whose blocks fit the scratch, each with its kernel arguments over
+        the scratch (the blocks left of a sliding window are neither staged nor read)."""
+        if "staged" not in meta.backend_state:
+            bs = meta.block_size
+            seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
+            first = np.zeros_like(seq_lens)
+            if self.sliding_window is not None:
+                first = np.maximum(np.asarray(meta.start_pos) - self.sliding_window + 1, 0) // bs
+            block_bytes = 2 * kv_cache.num_kv_heads * self.head_dim * bs * 2  # bf16 K + V
+            parts = plan_stage_parts(meta.block_tables.numpy(), first, -(-seq_lens // bs),
+                                     max(1, STAGE_BYTES // block_bytes))
+            plans = []
+            for p in parts:
+                rows = slice(meta.query_start_loc[p.seqs.start], meta.query_start_loc[p.seqs.stop])
+                slots = step_token_slots(p.tables, np.asarray(meta.start_pos[p.seqs], dtype=np.int64),
+                                         np.asarray(meta.query_lens[p.seqs], dtype=np.int64), bs)
+                plans.append(_StagedPlan(p, self._make_varlen_plan(meta, p.seqs, torch.from_numpy(p.tables)),
+                                         rows, torch.from_numpy(slots)))
+            meta.backend_state["staged"] = plans
+        return meta.backend_state["staged"]
 
     def _first_visible_block(self, first_query_pos: int, block_size: int) -> int:
         if self.sliding_window is None:
@@ -217,13 +271,12 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=self.num_heads != self.num_kv_heads)
         return o[0].transpose(0, 1)  # [n, Hq, D]
 
-    def _varlen(self, kernel, layer: int, plan: _VarlenPlan, q: torch.Tensor, out: torch.Tensor,
-                kv_cache: PagedKVCache) -> None:
-        k_cache, v_cache = kv_cache.layer_blocks(layer)
+    def _varlen(self, kernel, plan: _VarlenPlan, q: torch.Tensor, out: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:
         rc = kernel(q.data_ptr(), out.data_ptr(), plan.q_start.data_ptr(), plan.q_len.data_ptr(),
                     q.stride(0), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                     plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr(),
-                    plan.q_len.numel(), self.num_heads, self.num_kv_heads, kv_cache.block_size,
+                    plan.q_len.numel(), self.num_heads, self.num_kv_heads, block_size,
                     self.scale, self.sliding_window or 0, plan.groups.num_groups,
                     plan.groups.start.ctypes.data, plan.groups.members.ctypes.data,
                     plan.groups.prefix_len.ctypes.data)

@@ -1,0 +1,149 @@
+"""Quantized KV caches on CPU: each layer's blocks for the step are dequantized into a small bf16
+scratch in the "pairs" layout, and the varlen kernel reads that (torch_backend.py).
+
+The varlen kernel reads bf16 pairs in place; a quantized cache (fp8, int8, int4) holds codes,
+scales and a full-precision residual for open blocks instead. Attending over those through SDPA,
+on padded gathered copies dequantized per sequence, made a decode step 5-10x slower than over a
+bf16 cache (bench/NOTES.md, session 5), which turned the memory saved into a speed lost.
+
+Here every block the step reads is dequantized once per layer - a block many sequences share (a
+cached prefix) once for all of them - and the step's block tables are renumbered into the
+scratch. The step's own new tokens are then written over their scratch slots at full precision:
+attention sees this step's keys as computed (as the SDPA path does for a fresh prompt), and
+quantization applies to what the cache keeps for later steps. Sequences are taken in parts whose distinct blocks fit `STAGE_BYTES`: the scratch stays
+in the last-level cache between being written and being read, and a long context never needs a
+second full-size copy of its KV in memory.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvserve.model.attention.cpu_kernel import MetaRefC, QFieldC, stage_quantized_kernel, store_pairs_kernel
+from kvserve.model.kv_cache_quant import DequantField, MetaRef
+
+# Scratch per part. Half this CPU's 32 MB L3: written by the dequantisation, read by the kernel
+# right after, so the kernel's reads mostly hit L3 instead of DRAM.
+STAGE_BYTES = 16 << 20
+
+
+class StagePart(NamedTuple):
+    seqs: slice  # the step's sequences this part covers
+    block_ids: torch.Tensor  # [U] int64: the distinct cache blocks they read
+    tables: np.ndarray  # [n, max_blocks] int64: their block tables renumbered into the scratch
+
+
+def plan_stage_parts(block_tables: np.ndarray, first_block: np.ndarray, num_blocks: np.ndarray,
+                     max_stage_blocks: int) -> list[StagePart]:
+    """Split the step's sequences (in order) into parts of at most `max_stage_blocks` distinct
+    blocks - at least one sequence per part, however long - and renumber each part's tables.
+    Sequence i reads table columns [first_block[i], num_blocks[i]); other entries become 0."""
+    parts: list[StagePart] = []
+    n = block_tables.shape[0]
+    start = 0
+    while start < n:
+        seen: dict[int, int] = {}
+        end = start
+        while end < n:
+            row = block_tables[end, first_block[end]:num_blocks[end]]
+            new = [b for b in dict.fromkeys(row.tolist()) if b not in seen]
+            if end > start and len(seen) + len(new) > max_stage_blocks:
+                break
+            for b in new:
+                seen[b] = len(seen)
+            end += 1
+        tables = np.zeros((end - start, block_tables.shape[1]), dtype=np.int64)
+        for i in range(start, end):
+            cols = slice(first_block[i], num_blocks[i])
+            tables[i - start, cols] = [seen[b] for b in block_tables[i, cols].tolist()]
+        parts.append(StagePart(slice(start, end), torch.tensor(list(seen), dtype=torch.int64), tables))
+        start = end
+    return parts
+
+
+_CODE_KINDS = {"uint8": 0, "int4": 1, "e4m3": 2, "e5m2": 3}
+_META_KINDS = {torch.float32: 0, torch.float16: 1, torch.float8_e4m3fn: 2, torch.int8: 3}
+
+
+def _meta_c(m: MetaRef | None) -> MetaRefC:
+    if m is None:
+        return MetaRefC()
+    if m.tensor.dtype not in _META_KINDS:
+        raise TypeError(f"no staging kernel reads {m.tensor.dtype} quantization metadata")
+    return MetaRefC(m.tensor.data_ptr(), *m.tensor.stride(), m.group_tokens, m.group_channels,
+                    _META_KINDS[m.tensor.dtype])
+
+
+def _field_c(f: DequantField) -> QFieldC:
+    return QFieldC(f.codes.data_ptr(), f.codes.stride(0), _CODE_KINDS[f.code_format], f.code_offset,
+                   _meta_c(f.scale), _meta_c(f.zero), _meta_c(f.exponent))
+
+
+def step_token_slots(tables: np.ndarray, start_pos: np.ndarray, query_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """Scratch slots of a part's own tokens for this step, in token-row order (their positions
+    run from start_pos[i] for query_lens[i] tokens; `tables` renumbered into the scratch)."""
+    seq = np.repeat(np.arange(len(query_lens)), query_lens)
+    first_row = np.cumsum(query_lens) - query_lens
+    pos = np.repeat(start_pos, query_lens) + np.arange(len(seq)) - np.repeat(first_row, query_lens)
+    return tables[seq, pos // block_size] * block_size + pos % block_size
+
+
+class StageScratch:
+    """The bf16 pairs-layout scratch a part is dequantized into (grown on demand, reused), and
+    the way there: the compiled `stage_quantized_pairs`, or, where it is not built, the cache's
+    own `gather` followed by `store_kv_pairs`."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.slots = torch.zeros(0, dtype=torch.int64)
+        self._stage = stage_quantized_kernel()
+        self._store_pairs = store_pairs_kernel()
+        self._fields: dict[int, tuple] = {}  # layer -> ctypes descriptions (the cache's tensors persist)
+        self._cache = None
+
+    def fill(self, kv_cache, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize `block_ids` of `layer` into scratch blocks 0..U-1; returns (K, V) storage
+        in the pairs layout, `[U, H, D/2, bs, 2]` and `[U, H, bs/2, D, 2]`."""
+        H, D, bs, u = kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.block_size, block_ids.numel()
+        shape = (H, D // 2, bs, 2)
+        if self.k is None or self.k.shape[0] < u or self.k.shape[1:] != shape:
+            cap = max(u, 2 * self.k.shape[0] if self.k is not None and self.k.shape[1:] == shape else u)
+            self.k = torch.empty(cap, *shape, dtype=torch.bfloat16)
+            self.v = torch.empty(cap, H, bs // 2, D, 2, dtype=torch.bfloat16)
+        if self._stage is not None:
+            kf, vf, res, block_res = self._described(kv_cache, layer)
+            self._stage(ctypes.byref(kf), ctypes.byref(vf), res, block_res, block_ids.data_ptr(), u,
+                        self.k.data_ptr(), self.v.data_ptr(), H, D, bs)
+            return self.k, self.v
+        if self.slots.numel() < u * bs:
+            self.slots = torch.arange(self.k.shape[0] * bs, dtype=torch.int64)
+        k, v = kv_cache.gather(layer, block_ids)  # [u * bs, H, D], dequantized, open blocks too
+        k, v = k.to(torch.bfloat16).contiguous(), v.to(torch.bfloat16).contiguous()
+        self._store_pairs(k.data_ptr(), v.data_ptr(), self.slots.data_ptr(), u * bs, k.stride(0), v.stride(0),
+                          self.k.data_ptr(), self.v.data_ptr(), H, D, bs)
+        return self.k, self.v
+
+    def overlay(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int) -> None:
+        """Write this step's own K/V `[T, H, D]` (bf16, full precision) over their scratch slots."""
+        H, D = k.shape[1:]
+        if k.stride()[1:] != (D, 1) or v.stride()[1:] != (D, 1) or k.stride(0) % 2 or v.stride(0) % 2:
+            k, v = k.contiguous(), v.contiguous()
+        self._store_pairs(k.data_ptr(), v.data_ptr(), slots.data_ptr(), slots.numel(), k.stride(0), v.stride(0),
+                          self.k.data_ptr(), self.v.data_ptr(), H, D, block_size)
+
+    def _described(self, kv_cache, layer: int) -> tuple:
+        if kv_cache is not self._cache:
+            self._cache, self._fields = kv_cache, {}
+        if layer not in self._fields:
+            kf, vf = kv_cache.dequant_fields(layer)
+            res = kv_cache.residual(layer)
+            if res is not None and res[0].dtype != torch.bfloat16:
+                raise TypeError("the staging kernel copies bf16 residual rows only")
+            self._fields[layer] = (_field_c(kf), _field_c(vf), *((None, None) if res is None else
+                                                                 (res[0].data_ptr(), res[1].data_ptr())),
+                                   (kf, vf, res))  # keeps the described views alive
+        return self._fields[layer][:4]
