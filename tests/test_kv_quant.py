@@ -404,3 +404,45 @@ def test_fp8_alias_shares_prefix_cache_keys():
     b.validate()
     from kvserve.kv.hashing import root_hash
     assert root_hash(a.kv_cache_dtype) == root_hash(b.kv_cache_dtype) != root_hash("fp8_e5m2")
+
+
+@pytest.mark.parametrize("dt", ["fp8_e4m3", "int8", "int4"])
+def test_sealing_at_step_end_gives_the_same_codes_for_all_layers_at_once(dt):
+    """The engine's setting: a block filled by a write stays in the residual (read at full
+    precision) until finish_step seals every layer's filled blocks in one quantization, which
+    must store exactly the codes sealing inside each write stores."""
+    bs = 8
+    eager = create_kv_cache(TINY, num_blocks=6, block_size=bs, kv_cache_dtype=dt)
+    late = create_kv_cache(TINY, num_blocks=6, block_size=bs, kv_cache_dtype=dt, seal_at_step_end=True)
+    k, v = samples(50, (20, 2, 16)), samples(51, (20, 2, 16))
+    for c in (eager, late):
+        write_seq(c, [4, 1, 3], k, v, [5] + [1] * 15)  # decodes fill blocks 4 and 1 one token at a time
+    assert int((eager.block_res[:, [4, 1]] >= 0).sum()) == 0  # sealed inside the writes
+    assert bool((late.block_res[:, [4, 1]] >= 0).all())  # still open: read back exactly
+    for layer in range(2):
+        gk, gv = late.gather(layer, torch.tensor([4, 1]))
+        assert torch.equal(gk, (k[:16] * (layer + 1)).to(gk.dtype)) and torch.equal(gv, (v[:16] * (layer + 1)).to(gv.dtype))
+    late.finish_step()
+    assert int((late.block_res[:, [4, 1]] >= 0).sum()) == 0 and bool((late.block_res[:, 3] >= 0).all())
+    for name, t in late.fields.items():
+        assert torch.equal(t.view(torch.uint8), eager.fields[name].view(torch.uint8)), name
+    for layer in range(2):  # the written slots (block 3 holds 4 tokens; past them, any old rows)
+        for got, want in zip(late.gather(layer, torch.tensor([4, 1, 3])), eager.gather(layer, torch.tensor([4, 1, 3]))):
+            assert torch.equal(got[:20], want[:20])
+
+
+def test_a_write_plan_is_reused_across_layers_but_not_after_an_in_place_edit():
+    """The block placement of a write is worked out once per slot tensor (every layer of a step
+    writes the same one); editing the tensor in place between writes must not reuse it."""
+    bs = 8
+    c = create_kv_cache(TINY, num_blocks=6, block_size=bs, kv_cache_dtype="int8")
+    ref = create_kv_cache(TINY, num_blocks=6, block_size=bs, kv_cache_dtype="int8")
+    k, v = samples(60, (3, 2, 16)), samples(61, (3, 2, 16))
+    slots = torch.tensor([8, 9, 40])
+    c.write(0, slots, k, v)
+    ref.write(0, torch.tensor([8, 9, 40]), k, v)
+    slots[2] = 17  # another block
+    c.write(1, slots, k, v)
+    ref.write(1, torch.tensor([8, 9, 17]), k, v)
+    for layer in range(2):
+        assert torch.equal(c.gather(layer, torch.arange(6))[0], ref.gather(layer, torch.arange(6))[0])

@@ -70,6 +70,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         input_ids, meta = self.build_metadata(out)
         hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
+        self.kv_cache.finish_step()
 
         sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
         if not sampling:

@@ -142,7 +142,7 @@ def _kv_cache_options(args: EngineArgs, cfg: ModelConfig, weights: dict) -> dict
     if args.kv_cache_dtype == "auto":
         return {}
     from kvserve.model.kv_cache_quant import residual_blocks_for
-    options: dict = {"num_residual_blocks": residual_blocks_for(args.max_num_seqs)}
+    options: dict = {"num_residual_blocks": residual_blocks_for(args.max_num_seqs), "seal_at_step_end": True}
     if args.kv_cache_dtype.startswith("fp8") and any(k.endswith(("k_scale", "v_scale", "kv_scale")) for k in weights):
         from kvserve.kv.quant import KVScales
         options["kv_scales"] = KVScales.from_weights(weights, cfg.num_hidden_layers)

@@ -62,6 +62,10 @@ class KVCache(ABC):
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """For each copy: the first `num_tokens` slots of `src` -> `dst`, in every layer."""
 
+    def finish_step(self) -> None:
+        """Called by the model runner after each forward: work a cache does once per step for
+        all layers (a quantized cache seals the blocks the step filled) rather than per write."""
+
     @staticmethod
     @abstractmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, kv_cache_dtype: str,

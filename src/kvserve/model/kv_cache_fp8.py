@@ -27,7 +27,8 @@ class Fp8PagedKVCache(QuantizedKVCache):
     def __init__(self, model_config: ModelConfig, *, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "fp8",
                  scale_granularity: str = "head", kv_scales: KVScales | None = None,
-                 num_residual_blocks: int | None = None, center_keys: bool = True) -> None:
+                 num_residual_blocks: int | None = None, center_keys: bool = True,
+                 seal_at_step_end: bool = False) -> None:
         self.kind = quant.canonical_kind(kv_cache_dtype)
         if self.kind not in quant.FP8_DTYPES:
             raise ConfigError(f"Fp8PagedKVCache takes fp8, fp8_e4m3 or fp8_e5m2, got {kv_cache_dtype!r}")
@@ -37,7 +38,8 @@ class Fp8PagedKVCache(QuantizedKVCache):
         self.staged = kv_scales is None
         # Centering needs the block's statistics, i.e. the residual; static scales write per token.
         self.center_keys = center_keys and self.staged
-        self._init_common(model_config, num_blocks, block_size, dtype, device, num_residual_blocks)
+        self._init_common(model_config, num_blocks, block_size, dtype, device, num_residual_blocks,
+                          seal_at_step_end)
         H, D, fp8 = self.num_kv_heads, self.head_dim, quant.FP8_DTYPES[self.kind]
         for name in ("k", "v"):
             self._add_field(name, (block_size, H, D), fp8)

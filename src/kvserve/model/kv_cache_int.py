@@ -36,14 +36,16 @@ class IntPagedKVCache(QuantizedKVCache):
     def __init__(self, model_config: ModelConfig, *, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "int4",
                  group_size: int | None = None, residual: bool = True,
-                 num_residual_blocks: int | None = None, compact: bool | None = None) -> None:
+                 num_residual_blocks: int | None = None, compact: bool | None = None,
+                 seal_at_step_end: bool = False) -> None:
         self.kind = quant.canonical_kind(kv_cache_dtype)
         if self.kind not in quant.INT_BITS:
             raise ConfigError(f"IntPagedKVCache takes int8 or int4, got {kv_cache_dtype!r}")
         self.bits = quant.INT_BITS[self.kind]
         group_size, self.compact = _int_defaults(self.kind, group_size, compact)
         self.staged = residual
-        self._init_common(model_config, num_blocks, block_size, dtype, device, num_residual_blocks)
+        self._init_common(model_config, num_blocks, block_size, dtype, device, num_residual_blocks,
+                          seal_at_step_end)
         H, D = self.num_kv_heads, self.head_dim
         try:
             self.groups = quant.effective_group_sizes(group_size, block_size, D)

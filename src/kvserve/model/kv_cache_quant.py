@@ -16,6 +16,11 @@ The residual is a fixed pool (`num_residual_blocks`, `residual_blocks_for(max_nu
 open block per running sequence and one more, see there); its bytes are `residual_bytes(...)`,
 outside `bytes_per_block`.
 
+`seal_at_step_end` (the engine's setting): a block filled by a write is sealed in `finish_step`,
+for every layer in one quantization call, instead of inside each layer's write (30 small
+quantizations per step at ~0.5 ms each, bench/NOTES.md session 5). Until then it is read from its
+residual rows, i.e. at full precision for the rest of the step that filled it.
+
 fp8 with static scales (a checkpoint's k_scale / v_scale) and int with `residual=False` (keys
 quantized per token like values) need no residual: every token is quantized when written.
 """
@@ -80,6 +85,20 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in quant.FP8_DTYPES.values() else t
 
 
+class _Placement(NamedTuple):  # one write's tokens into whole blocks, or into partly written ones
+    blocks: torch.Tensor  # the blocks
+    rows: torch.Tensor | None  # the write's token rows that go there (None: all of them)
+    index: torch.Tensor  # per token: its block's index in `blocks`
+    offs: torch.Tensor  # per token: its slot in the block
+    fresh: torch.Tensor | None  # per block (partly written): slot 0 written, a new occupant starts it
+
+
+class _WritePlan(NamedTuple):
+    blocks: torch.Tensor  # every block the write touches
+    whole: _Placement | None
+    part: _Placement | None
+
+
 class QuantizedKVCache(KVCache):
     """Shared machinery: named storage fields, the residual pool, write / gather / copy."""
 
@@ -87,7 +106,8 @@ class QuantizedKVCache(KVCache):
     staged: bool  # True: blocks pass through the residual pool and are quantized whole
 
     def _init_common(self, model_config: ModelConfig, num_blocks: int, block_size: int,
-                     dtype: torch.dtype, device: torch.device | str, num_residual_blocks: int | None) -> None:
+                     dtype: torch.dtype, device: torch.device | str, num_residual_blocks: int | None,
+                     seal_at_step_end: bool = False) -> None:
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least 1 block, got num_blocks={num_blocks}; "
                               f"raise --kv-cache-memory or --num-gpu-blocks-override")
@@ -95,6 +115,8 @@ class QuantizedKVCache(KVCache):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = model_config.num_key_value_heads, model_config.head_dim
         self.dtype, self.device = dtype, torch.device(device)
+        self.seal_at_step_end = seal_at_step_end
+        self._last_plan: tuple | None = None  # ((slots, version), _WritePlan)
         self.fields: dict[str, torch.Tensor] = {}
         if not self.staged:
             self.num_residual_blocks = 0
@@ -306,8 +328,15 @@ class QuantizedKVCache(KVCache):
         self.res_owner[layer, e] = -1
         self.block_res[layer, block_ids] = -1
 
-    def _seal(self, layer: int, entries: torch.Tensor) -> None:
-        """Quantize residual entries into their blocks and free them."""
+    def finish_step(self) -> None:
+        if self.staged and self.seal_at_step_end:
+            full = (self.res_owner >= 0) & self.res_mask.all(-1)  # [L, entries]
+            if bool(full.any()):
+                self._seal(*full.nonzero(as_tuple=True))
+
+    def _seal(self, layer: int | torch.Tensor, entries: torch.Tensor) -> None:
+        """Quantize residual entries into their blocks and free them; `layer` is one layer or
+        one per entry (the formats index their fields `[layer, block_ids]`, which takes both)."""
         owners = self.res_owner[layer, entries]
         kv = self.res_kv[layer, entries].float()  # [n, 2, bs, H, D]
         mask = self.res_mask[layer, entries]  # [n, bs]
@@ -327,6 +356,13 @@ class QuantizedKVCache(KVCache):
         """Residual entries for `blocks` (not yet in the pool); evicts LRU entries not in `busy`."""
         free = (self.res_owner[layer] < 0).nonzero().flatten()
         need = blocks.numel() - free.numel()
+        if need > 0 and self.seal_at_step_end:  # blocks filled earlier and not yet sealed go first
+            owners = self.res_owner[layer]
+            full = ((owners >= 0) & self.res_mask[layer].all(-1) & ~torch.isin(owners, busy)).nonzero().flatten()
+            if full.numel():
+                self._seal(layer, full)
+                free = (self.res_owner[layer] < 0).nonzero().flatten()
+                need = blocks.numel() - free.numel()
         if need > 0:
             owners = self.res_owner[layer]
             evictable = (owners >= 0) & ~torch.isin(owners, busy)
@@ -345,34 +381,55 @@ class QuantizedKVCache(KVCache):
         self.block_res[layer, blocks] = e
         return e
 
-    def _write_staged(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_plan(self, slots: torch.Tensor) -> _WritePlan:
+        """Where `slots`' tokens go, by block (the same for every layer of a step, so worked out
+        once: the engine writes each layer with the same slot tensor; `_version` catches a caller
+        that edits it in place, where torch tracks it - inference tensors, the runner's, it does
+        not, and the runner never edits a step's slot mapping)."""
+        key = (slots, -1 if slots.is_inference() else slots._version)
+        if self._last_plan is not None and self._last_plan[0][0] is slots and self._last_plan[0][1] == key[1]:
+            return self._last_plan[1]
         bs = self.block_size
         blocks, offs = slots // bs, slots % bs
         ub, inv = torch.unique(blocks, return_inverse=True)
         cover = torch.zeros(ub.numel(), bs, dtype=torch.bool, device=self.device)
         cover[inv, offs] = True
         whole = cover.all(1)
+        whole_plan = part_plan = None
         if bool(whole.any()):
-            # Blocks written entirely by this call skip the residual: quantize straight away.
-            wb = ub[whole]
-            widx = whole.long().cumsum(0) - 1
             tok = whole[inv]
-            buf = torch.zeros(2, wb.numel(), bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
-                              device=self.device)
-            buf[0, widx[inv[tok]], offs[tok]] = k[tok]
-            buf[1, widx[inv[tok]], offs[tok]] = v[tok]
-            self._release(layer, wb)
-            self._store_blocks(layer, wb, buf[0], buf[1])
-            self.sealed_fill[layer, wb] = bs
+            widx = whole.long().cumsum(0) - 1
+            whole_plan = _Placement(ub[whole], tok.nonzero().flatten(), widx[inv[tok]], offs[tok], None)
         part = ~whole
-        if not bool(part.any()):
+        if bool(part.any()):
+            tok = part[inv]
+            pidx = part.long().cumsum(0) - 1
+            rows = None if whole_plan is None else tok.nonzero().flatten()  # None: every token
+            part_plan = _Placement(ub[part], rows, pidx[inv[tok]], offs[tok], cover[part, 0])
+        plan = _WritePlan(ub, whole_plan, part_plan)
+        self._last_plan = (key, plan)
+        return plan
+
+    def _write_staged(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        bs = self.block_size
+        plan = self._write_plan(slots)
+        if plan.whole is not None:
+            # Blocks written entirely by this call skip the residual: quantize straight away.
+            w = plan.whole
+            buf = torch.zeros(2, w.blocks.numel(), bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                              device=self.device)
+            buf[0, w.index, w.offs] = k[w.rows]
+            buf[1, w.index, w.offs] = v[w.rows]
+            self._release(layer, w.blocks)
+            self._store_blocks(layer, w.blocks, buf[0], buf[1])
+            self.sealed_fill[layer, w.blocks] = bs
+        if plan.part is None:
             return
-        pb = ub[part]
-        fresh = cover[part, 0]  # slot 0 written: a new occupant (or a recompute) starts the block
+        pb, fresh = plan.part.blocks, plan.part.fresh
         entry = self.block_res[layer, pb]
         missing = entry < 0
         if bool(missing.any()):
-            new = self._allocate(layer, pb[missing], busy=ub)
+            new = self._allocate(layer, pb[missing], busy=plan.blocks)
             entry[missing] = new
             # Re-opened blocks that already hold tokens bring them back from their quantized form.
             reopen = missing.clone()
@@ -388,12 +445,14 @@ class QuantizedKVCache(KVCache):
         self.res_mask[layer, entry[fresh]] = False
         self._clock[layer] += 1
         self.res_clock[layer, entry] = self._clock[layer]
-        pidx = part.long().cumsum(0) - 1
-        tok = part[inv]
-        e_tok = entry[pidx[inv[tok]]]
-        self.res_kv[layer, e_tok, 0, offs[tok]] = k[tok]
-        self.res_kv[layer, e_tok, 1, offs[tok]] = v[tok]
-        self.res_mask[layer, e_tok, offs[tok]] = True
+        e_tok, offs = entry[plan.part.index], plan.part.offs
+        if plan.part.rows is not None:
+            k, v = k[plan.part.rows], v[plan.part.rows]
+        self.res_kv[layer, e_tok, 0, offs] = k
+        self.res_kv[layer, e_tok, 1, offs] = v
+        self.res_mask[layer, e_tok, offs] = True
+        if self.seal_at_step_end:
+            return
         done = self.res_mask[layer, entry].all(1)
         if bool(done.any()):
             self._seal(layer, entry[done])
