@@ -73,21 +73,27 @@ inline float meta_at(const MetaRef& m, int64_t i) {
     }
 }
 
-// m's values for every channel of (b, t, h) into row[dh] (64-byte aligned). Called once per token
-// group, so the per-lane work here is off the per-element path.
-inline void expand_meta(const MetaRef& m, int64_t b, int t, int h, int dh, float* row) {
-    const int64_t base = b * m.sb + (int64_t)(t / m.gt) * m.st + (int64_t)h * m.sh;
+// m's values for every channel of (b, token group tg, h) into row[dh] (64-byte aligned). Called
+// once per token group, so the per-lane work here is off the per-element path. No integer
+// division on the common paths: at one per token per field they cost more than the arithmetic.
+inline void expand_meta(const MetaRef& m, int64_t b, int tg, int h, int dh, float* row) {
+    const int64_t base = b * m.sb + (int64_t)tg * m.st + (int64_t)h * m.sh;
+    if (m.gd % 16 == 0) {  // each group spans whole 16-channel chunks
+        for (int g = 0, d0 = 0; d0 < dh; ++g) {
+            const __m512 x = _mm512_set1_ps(meta_at(m, base + (int64_t)g * m.sd));
+            for (int end = d0 + m.gd; d0 < end; d0 += 16) _mm512_store_ps(row + d0, x);
+        }
+        return;
+    }
     for (int d0 = 0; d0 < dh; d0 += 16) {
         __m512 x;
-        if (m.gd % 16 == 0) {  // one group spans these 16 channels
-            x = _mm512_set1_ps(meta_at(m, base + (int64_t)(d0 / m.gd) * m.sd));
-        } else if (m.gd == 1 && m.sd == 1 && m.kind == 0) {
+        if (m.gd == 1 && m.sd == 1 && m.kind == 0) {
             x = _mm512_loadu_ps((const float*)m.ptr + base + d0);
         } else if (m.gd == 1 && m.sd == 1 && m.kind == 1) {
             x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)m.ptr + base + d0)));
         } else if (m.gd == 1 && m.sd == 1 && m.kind == 2) {
             x = e4m3x16(_mm_loadu_si128((const __m128i*)((const uint8_t*)m.ptr + base + d0)));
-        } else {
+        } else {  // small groups (2, 4, 8 channels): rare settings
             alignas(64) float lanes[16];
             for (int i = 0; i < 16; ++i) lanes[i] = meta_at(m, base + (int64_t)((d0 + i) / m.gd) * m.sd);
             x = _mm512_load_ps(lanes);
@@ -95,6 +101,17 @@ inline void expand_meta(const MetaRef& m, int64_t b, int t, int h, int dh, float
         _mm512_store_ps(row + d0, x);
     }
 }
+
+// Token-group bookkeeping without a division per token: expands m when token t enters a new group.
+struct GroupCursor {
+    int next = 0, index = -1;
+    inline bool enter(int t, int gt) {
+        if (t < next) return false;
+        next += gt;
+        ++index;
+        return true;
+    }
+};
 
 // 16 codes of a row as float32 (before the offset).
 template <int KIND>
@@ -125,20 +142,24 @@ void dequant_block(const QField& f, int64_t b, int h, int hkv, int dh, int bs, u
     float* ex = meta + 2 * dh;
     const int P = KIND == 1 ? dh / 2 : dh;
     const __m512 off = _mm512_set1_ps(f.code_offset);
-    int sg = -1, zg = -1, eg = -1;  // token group whose values the rows hold
+    // Locals, not f's fields: the row stores may alias anything, so fields would be reloaded.
+    const bool has_off = f.code_offset != 0.f, has_zero = f.zero.ptr, has_exp = f.expo.ptr;
+    const uint8_t* codes = f.codes + b * f.code_block + (int64_t)h * P;
+    const int64_t row_stride = (int64_t)hkv * P;
+    GroupCursor sg, zg, eg;  // the token group whose values the rows hold
     for (int t = 0; t < bs; ++t) {
-        if (t / f.scale.gt != sg) { sg = t / f.scale.gt; expand_meta(f.scale, b, t, h, dh, sc); }
-        if (f.zero.ptr && t / f.zero.gt != zg) { zg = t / f.zero.gt; expand_meta(f.zero, b, t, h, dh, zr); }
-        if (f.expo.ptr && t / f.expo.gt != eg) { eg = t / f.expo.gt; expand_meta(f.expo, b, t, h, dh, ex); }
-        const uint8_t* row = f.codes + b * f.code_block + ((int64_t)t * hkv + h) * P;
-        if (pf) __builtin_prefetch(pf + (int64_t)t * P * hkv);
+        if (sg.enter(t, f.scale.gt)) expand_meta(f.scale, b, sg.index, h, dh, sc);
+        if (has_zero && zg.enter(t, f.zero.gt)) expand_meta(f.zero, b, zg.index, h, dh, zr);
+        if (has_exp && eg.enter(t, f.expo.gt)) expand_meta(f.expo, b, eg.index, h, dh, ex);
+        const uint8_t* row = codes + t * row_stride;
+        if (pf) __builtin_prefetch(pf + t * row_stride);
         for (int d0 = 0; d0 < dh; d0 += 16) {
             __m512 x = codes16<KIND>(row, d0);
-            if (f.code_offset != 0.f) x = _mm512_sub_ps(x, off);
+            if (has_off) x = _mm512_sub_ps(x, off);
             // Separate multiply and add (no FMA): torch rounds after each, and so must this.
             x = rounded(_mm512_mul_ps(x, _mm512_load_ps(sc + d0)));
-            if (f.zero.ptr) x = _mm512_add_ps(x, _mm512_load_ps(zr + d0));
-            if (f.expo.ptr) x = _mm512_mul_ps(x, _mm512_load_ps(ex + d0));
+            if (has_zero) x = _mm512_add_ps(x, _mm512_load_ps(zr + d0));
+            if (has_exp) x = _mm512_mul_ps(x, _mm512_load_ps(ex + d0));
             _mm256_storeu_si256((__m256i*)(out + (int64_t)t * dh + d0), (__m256i)_mm512_cvtneps_pbh(x));
         }
     }
