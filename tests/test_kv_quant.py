@@ -157,8 +157,10 @@ def test_int_constant_group_is_exact_and_int4_packing_round_trips():
 def test_quantizer_errors_name_the_setting():
     with pytest.raises(quant.QuantError, match="group size 24 must divide"):
         quant.quantize_groups(torch.randn(16, 64), 4, 24, axis=0)
-    with pytest.raises(quant.QuantError, match="non-finite"):
-        quant.quantize_groups(torch.tensor([[1.0, float("nan")]]), 8, 2, axis=1)
+    for bad in (float("nan"), float("inf"), float("-inf")):  # caught from the group ranges
+        for compact in (False, True):
+            with pytest.raises(quant.QuantError, match="non-finite"):
+                quant.quantize_groups(torch.tensor([[1.0, bad, 0.5, 2.0]]), 8, 2, axis=1, compact=compact)
     with pytest.raises(quant.QuantError, match="int4"):
         quant.bytes_per_block_per_layer("int4", 1, 63, 16, 63)
     with pytest.raises(ConfigError, match="group-size"):

@@ -93,15 +93,19 @@ def fill_history(cache, layer: int, seq_lens: list[int], seed: int):
 
 
 @pytest.mark.skipif(stage_quantized_kernel() is None, reason="no AVX512-BF16: staging goes through gather")
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_compiled_staging_is_bit_equal_to_gather(variant):
+@pytest.mark.parametrize("variant,block_size,head_dim", [(v, 16, 64) for v in VARIANTS] + [
+    ("int8", 32, 128), ("int4", 64, 64), ("fp8", 32, 128), ("int4 direct", 32, 128)])
+def test_compiled_staging_is_bit_equal_to_gather(variant, block_size, head_dim):
+    bs = block_size
     # 4 residual entries for 5 partial blocks: the first is evicted (quantized as it stands).
-    cache = make_cache(variant, num_blocks=40, num_residual_blocks=4)
-    tables = fill_history(cache, 1, [40, 16, 33, 100, 7, 70], seed=1)
+    cache = make_cache(variant, num_blocks=40, block_size=bs, head_dim=head_dim, num_residual_blocks=4)
+    lens = [n * bs // 16 for n in (40, 16, 33, 100, 7, 70)]
+    tables = fill_history(cache, 1, lens, seed=1)
     # Then one more token for two sequences: the evicted block re-opened, a new block started.
     free = next(b for b in range(40) if all(b not in t for t in tables))
-    meta = build_attention_metadata([40, 16], [1, 1], [tables[0], tables[1] + [free]], 16)
-    cache.write(1, meta.slot_mapping, torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16())
+    meta = build_attention_metadata([lens[0], lens[1]], [1, 1], [tables[0], tables[1] + [free]], bs)
+    new = [torch.randn(2, 3, head_dim).bfloat16() for _ in range(2)]
+    cache.write(1, meta.slot_mapping, *new)
     ids = torch.tensor(sorted({b for t in tables for b in t} | {free}), dtype=torch.int64)
     ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))]
     if cache.staged:

@@ -196,13 +196,15 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int, comp
     if group_size < 1 or n % group_size:
         raise QuantError(f"group size {group_size} must divide the quantized axis length {n}; "
                          f"pick a group size that divides both block_size and head_dim")
-    if not bool(torch.isfinite(x).all()):
-        raise QuantError("cannot quantize non-finite KV values (the model produced inf/NaN)")
     qmax = (1 << bits) - 1
     xf = x.float()
     grouped = xf.unflatten(axis, (n // group_size, group_size))
     mn = grouped.amin(dim=axis + 1)
     mx = grouped.amax(dim=axis + 1)
+    # amin / amax propagate NaN and inf, so the group ranges show a non-finite value: checking
+    # them costs a few percent of checking every element (0.5 ms per 2,048-token layer write).
+    if not bool(torch.isfinite(mx - mn).all()):
+        raise QuantError("cannot quantize non-finite KV values (the model produced inf/NaN)")
     amax = float(mx.abs().max().clamp_min(mn.abs().max()))
     if amax > 6.0e4 and not compact:  # compact metadata is exponent-shifted, any range fits
         raise QuantError("KV values exceed float16 range (|x| > 6e4); int KV quantization stores "
