@@ -165,6 +165,33 @@ void dequant_block(const QField& f, int64_t b, int h, int hkv, int dh, int bs, u
     }
 }
 
+// 16x16 32-bit transpose: rows src + i * stride -> rows dst + i * dstride. In registers: 64
+// shuffles, against 16 gathers of 16 lanes (measured slower) or 256 scalar moves.
+inline void transpose16(const uint32_t* src, int64_t stride, uint32_t* dst, int64_t dstride) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * stride);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; ++j) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; ++j) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * dstride, r[i]);
+}
+
 inline void prefetch_meta(const MetaRef& m, int64_t b) {
     static const int size[4] = {4, 2, 1, 1};
     if (!m.ptr || m.sb == 0) return;
@@ -235,14 +262,10 @@ extern "C" void stage_quantized_pairs(const QField* kf, const QField* vf, const 
                     _mm512_storeu_si512(vo + (int64_t)(t / 2) * dh + d0, _mm512_or_si512(v0, _mm512_slli_epi32(v1, 16)));
                 }
             }
-            // K: token rows of (d, d+1) pairs -> 16 tokens' pair j per register (a gather from L1).
-            const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                    _mm512_set1_epi32((int)(tok / 2)));
-            for (int t0 = 0; t0 < bs; t0 += 16) {
-                const uint32_t* src = (const uint32_t*)(ks + t0 * tok);
-                for (int j = 0; j < np; ++j)
-                    _mm512_storeu_si512(ko + (int64_t)j * bs + t0, _mm512_i32gather_epi32(rows, src + j, 4));
-            }
+            // K: token rows of (d, d+1) pairs -> per pair, 16 tokens in a row (16x16 transposes).
+            for (int t0 = 0; t0 < bs; t0 += 16)
+                for (int j0 = 0; j0 < np; j0 += 16)
+                    transpose16((const uint32_t*)(ks + t0 * tok) + j0, tok / 2, ko + (int64_t)j0 * bs + t0, bs);
         }
         free(kt);
         free(vt);
