@@ -3,16 +3,16 @@ scratch in the "pairs" layout, and the varlen kernel reads that (torch_backend.p
 
 The varlen kernel reads bf16 pairs in place; a quantized cache (fp8, int8, int4) holds codes,
 scales and a full-precision residual for open blocks instead. Attending over those through SDPA,
-on padded gathered copies dequantized per sequence, made a decode step 5-10x slower than over a
+on padded gathered copies dequantized per sequence, made `random` 7-12x slower than over a
 bf16 cache (bench/NOTES.md, session 5), which turned the memory saved into a speed lost.
 
 Here every block the step reads is dequantized once per layer - a block many sequences share (a
 cached prefix) once for all of them - and the step's block tables are renumbered into the
 scratch. The step's own new tokens are then written over their scratch slots at full precision:
 attention sees this step's keys as computed (as the SDPA path does for a fresh prompt), and
-quantization applies to what the cache keeps for later steps. Sequences are taken in parts whose distinct blocks fit `STAGE_BYTES`: the scratch stays
-in the last-level cache between being written and being read, and a long context never needs a
-second full-size copy of its KV in memory.
+quantization applies to what the cache keeps for later steps. Sequences are taken in parts
+whose distinct blocks fit `STAGE_BYTES`: the scratch stays in the last-level cache between being
+written and being read, and a long context never needs a second full-size copy of its KV.
 """
 from __future__ import annotations
 
@@ -41,8 +41,15 @@ def plan_stage_parts(block_tables: np.ndarray, first_block: np.ndarray, num_bloc
     """Split the step's sequences (in order) into parts of at most `max_stage_blocks` distinct
     blocks - at least one sequence per part, however long - and renumber each part's tables.
     Sequence i reads table columns [first_block[i], num_blocks[i]); other entries become 0."""
-    parts: list[StagePart] = []
     n = block_tables.shape[0]
+    cols = np.arange(block_tables.shape[1])[None, :]
+    read = (cols >= first_block[:, None]) & (cols < num_blocks[:, None])
+    ids, index = np.unique(block_tables[read], return_inverse=True)
+    if len(ids) <= max_stage_blocks or n == 1:  # the common case, one part: vectorised
+        tables = np.zeros(block_tables.shape, dtype=np.int64)
+        tables[read] = index
+        return [StagePart(slice(0, n), torch.from_numpy(ids.astype(np.int64)), tables)]
+    parts: list[StagePart] = []
     start = 0
     while start < n:
         seen: dict[int, int] = {}
