@@ -94,8 +94,10 @@ def test_many_sequences_take_the_all_heads_path():
 
 # -- the bf16 varlen kernel (AVX512-BF16): decodes and prefill chunks of all sequences in one call --
 
-def _reference_float64(cache, layer, meta, q, window, scale, heads, kv_heads):
-    """Straightforward attention per query row in float64 over the sequence's blocks."""
+def _reference_float64(cache, layer, meta, q, window, scale, heads, kv_heads, fresh=None):
+    """Straightforward attention per query row in float64 over the sequence's blocks; `fresh`
+    (k, v) of the step's own tokens replaces what the cache holds for them (a quantized cache
+    stores them rounded, attention sees them as computed)."""
     k_all, v_all = (t.double().unflatten(0, (cache.num_blocks, cache.block_size)) for t in _all_kv(cache, layer))
     out = torch.zeros(q.shape, dtype=torch.float64)
     g = heads // kv_heads
@@ -103,6 +105,9 @@ def _reference_float64(cache, layer, meta, q, window, scale, heads, kv_heads):
         blocks = meta.block_tables[i, :-(-meta.seq_lens[i] // meta.block_size)]
         keys = k_all[blocks].flatten(0, 1)[:meta.seq_lens[i]]
         vals = v_all[blocks].flatten(0, 1)[:meta.seq_lens[i]]
+        if fresh is not None:
+            rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+            keys[meta.start_pos[i]:], vals[meta.start_pos[i]:] = fresh[0][rows].double(), fresh[1][rows].double()
         for r in range(meta.query_lens[i]):
             row, pos = meta.query_start_loc[i] + r, meta.start_pos[i] + r
             lo = max(0, pos - window + 1) if window else 0
@@ -110,6 +115,23 @@ def _reference_float64(cache, layer, meta, q, window, scale, heads, kv_heads):
                 s = keys[lo:pos + 1, h // g] @ q[row, h].double() * scale
                 out[row, h] = torch.softmax(s, 0) @ vals[lo:pos + 1, h // g]
     return out
+
+
+def assert_same_greedy_up_to_near_ties(runs_a, runs_b, min_identical: int) -> None:
+    """Two runs' greedy outputs (with logprobs=5) agree except where they part at a near-tie:
+    at the first difference, each run's choice is in the other's top 5 within 0.25 (2 bf16 ulps
+    at |logit| 4-8), and at least `min_identical` outputs agree throughout."""
+    identical = 0
+    for a, b in zip(runs_a, runs_b):
+        i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if i is None:
+            identical += 1
+            continue
+        for mine, other in ((a, b), (b, a)):  # same context up to i in both runs
+            top = mine.logprobs[i].top_logprobs
+            assert other.token_ids[i] in top, f"step {i}: {other.token_ids[i]} not in the top 5 {top}"
+            assert top[mine.token_ids[i]] - top[other.token_ids[i]] <= 0.25
+    assert identical >= min_identical
 
 
 varlen_available = pytest.mark.skipif(
@@ -254,17 +276,7 @@ def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
     assert off.engine.runner.model.attn.cascade is False
     flagged = [o.outputs[0] for o in off.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in flagged] == [o.token_ids for o in runs[False]] and max(seen, default=0) == 0
-    identical = 0
-    for on, off in zip(runs[True], runs[False]):
-        i = next((i for i, (a, b) in enumerate(zip(on.token_ids, off.token_ids)) if a != b), None)
-        if i is None:
-            identical += 1
-            continue
-        for mine, other in ((on, off), (off, on)):  # same context up to i in both runs
-            top = mine.logprobs[i].top_logprobs
-            assert other.token_ids[i] in top, f"step {i}: {other.token_ids[i]} not in the top 5 {top}"
-            assert top[mine.token_ids[i]] - top[other.token_ids[i]] <= 0.25
-    assert identical >= 6
+    assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=6)
 
 
 def test_block_sizes_the_varlen_kernel_cannot_read_keep_the_token_layout(caplog):
