@@ -116,7 +116,7 @@ class QuantizedKVCache(KVCache):
         self.num_kv_heads, self.head_dim = model_config.num_key_value_heads, model_config.head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.seal_at_step_end = seal_at_step_end
-        self._last_plan: tuple | None = None  # ((slots, version), _WritePlan)
+        self._last_plan: tuple | None = None  # (slots, its version, _WritePlan)
         self.fields: dict[str, torch.Tensor] = {}
         if not self.staged:
             self.num_residual_blocks = 0
@@ -386,9 +386,9 @@ class QuantizedKVCache(KVCache):
         once: the engine writes each layer with the same slot tensor; `_version` catches a caller
         that edits it in place, where torch tracks it - inference tensors, the runner's, it does
         not, and the runner never edits a step's slot mapping)."""
-        key = (slots, -1 if slots.is_inference() else slots._version)
-        if self._last_plan is not None and self._last_plan[0][0] is slots and self._last_plan[0][1] == key[1]:
-            return self._last_plan[1]
+        version = -1 if slots.is_inference() else slots._version
+        if self._last_plan is not None and self._last_plan[0] is slots and self._last_plan[1] == version:
+            return self._last_plan[2]
         bs = self.block_size
         blocks, offs = slots // bs, slots % bs
         ub, inv = torch.unique(blocks, return_inverse=True)
@@ -407,7 +407,7 @@ class QuantizedKVCache(KVCache):
             rows = None if whole_plan is None else tok.nonzero().flatten()  # None: every token
             part_plan = _Placement(ub[part], rows, pidx[inv[tok]], offs[tok], cover[part, 0])
         plan = _WritePlan(ub, whole_plan, part_plan)
-        self._last_plan = (key, plan)
+        self._last_plan = (slots, version, plan)
         return plan
 
     def _write_staged(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -81,7 +81,7 @@ inline void expand_meta(const MetaRef& m, int64_t b, int tg, int h, int dh, floa
     if (m.gd % 16 == 0) {  // each group spans whole 16-channel chunks
         for (int g = 0, d0 = 0; d0 < dh; ++g) {
             const __m512 x = _mm512_set1_ps(meta_at(m, base + (int64_t)g * m.sd));
-            for (int end = d0 + m.gd; d0 < end; d0 += 16) _mm512_store_ps(row + d0, x);
+            for (int end = d0 + m.gd < dh ? d0 + m.gd : dh; d0 < end; d0 += 16) _mm512_store_ps(row + d0, x);
         }
         return;
     }
