@@ -20,6 +20,7 @@ from kvserve.model.kv_cache import create_kv_cache
 from kvserve.kv.quant import KVScales
 from kvserve.model.kv_cache_fp8 import Fp8PagedKVCache
 from kvserve.model.kv_cache_int import IntPagedKVCache
+from kvserve.model.attention.cpu_kernel import varlen_kernel_for
 
 from test_kv_quant import TINY, samples, write_seq
 from test_tiers_engine import BS, SMALL, documents_workload, greedy
@@ -234,3 +235,35 @@ def test_residual_pool_holds_a_full_batch_beside_a_chunk_cut_mid_block(tiny, dt,
     monkeypatch.setattr(kv_cache_quant, "residual_blocks_for", lambda max_num_seqs: max_num_seqs)
     with pytest.raises(RuntimeError, match="residual pool exhausted"):  # the scenario is the one above
         LLM(tiny, **common).generate(prompts, greedy(6), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_d64(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_d64"), kind="llama_d64"))
+
+
+@pytest.mark.parametrize("dt", ["int8", "int4", "fp8_e4m3"])
+def test_swap_preemption_resumes_exactly_through_the_staged_kernel(tiny_d64, dt):
+    """As test_swap_preemption_resumes_exactly, in bf16 at head_dim 64 and block size 16, where
+    (on AVX512-BF16 CPUs) attention over the quantized cache goes through the staging scratch:
+    a swapped-out open block comes back into a residual entry the staging pass reads, and the
+    output must not change by a token."""
+    rng = random.Random(6)
+    low, urgent = [rng.randrange(256) for _ in range(45)], [rng.randrange(256) for _ in range(60)]
+    common = dict(dtype="bfloat16", kv_cache_dtype=dt, check_integrity=True, block_size=16,
+                  max_model_len=96, max_num_batched_tokens=64, max_num_seqs=1,
+                  scheduling_policy="priority")
+    alone = LLM(tiny_d64, **common, num_gpu_blocks_override=200)
+    want = {"low": alone.generate([low], greedy(30), use_tqdm=False)[0].outputs[0].token_ids,
+            "urgent": alone.generate([urgent], greedy(20), use_tqdm=False)[0].outputs[0].token_ids}
+    llm = LLM(tiny_d64, **common, num_gpu_blocks_override=7, preemption_mode="swap", swap_space=0.01)
+    try:
+        # After 9 steps `low` holds 53 tokens: 3 sealed blocks and an open one (5 tokens).
+        assert run_with_urgent_arrival(llm, low, urgent, at_step=9) == want
+        s = llm.engine.get_stats()
+        assert s.num_swapped_preemptions == 1 and s.resume_prefix_cache_hits == 53
+        assert s.tier_hits["host"] % 16 == 5  # the open block came back from the host tier
+        if varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is not None:
+            assert llm.engine.runner.model.attn._scratch is not None  # the staged path ran
+    finally:
+        llm.engine.close()
