@@ -241,3 +241,13 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
         assert (sum(staged_steps) >= 10) if kernel else not staged_steps
     # measured 4-5 of 8 identical; the rest part at a near-tie
     assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=3)
+
+
+def test_block_sizes_the_staging_path_cannot_read_are_named_at_start_up(caplog):
+    """A quantized cache at --block-size 8 falls back to SDPA; start-up says so and what to set."""
+    backend = TorchAttentionBackend(9, 3, 64, scale=0.125)
+    with caplog.at_level("WARNING"):
+        assert backend.kv_cache_layout("int8", torch.bfloat16, 8, torch.device("cpu")) == "tokens"
+        assert backend.kv_cache_layout("int8", torch.bfloat16, 16, torch.device("cpu")) == "tokens"
+    if varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is not None:
+        assert caplog.text.count("--block-size 8") == 1 and "SDPA over dequantized copies" in caplog.text

@@ -88,15 +88,18 @@ class TorchAttentionBackend(AttentionBackend):
 
     def kv_cache_layout(self, kv_cache_dtype: str, dtype: torch.dtype, block_size: int,
                         device: torch.device) -> str:
-        if (not self.use_cpu_kernel or kv_cache_dtype != "auto"
-                or varlen_kernel_for(dtype, self.head_dim, torch.device(device)) is None):
+        """The "pairs" layout where the bf16 varlen kernel will read the cache in place; quantized
+        caches keep their own layout (the kernel reads them through the staging scratch)."""
+        if not self.use_cpu_kernel or varlen_kernel_for(dtype, self.head_dim, torch.device(device)) is None:
             return "tokens"
         if block_size % 16:
+            path = ("SDPA over dequantized copies (several times slower)" if kv_cache_dtype != "auto"
+                    else "the slower decode-kernel + SDPA path")
             log.warning("--block-size %d: the bf16 attention kernel reads blocks of a multiple of 16 "
-                        "tokens, so attention takes the slower decode-kernel + SDPA path; use "
-                        "--block-size 16 (the default) or 32 for the fast one", block_size)
+                        "tokens, so attention takes %s; use --block-size 16 (the default) or 32 for "
+                        "the fast one", block_size, path)
             return "tokens"
-        return "pairs"
+        return "pairs" if kv_cache_dtype == "auto" else "tokens"
 
     def _kernel(self, kind: str, q: torch.Tensor, kv_cache: KVCache):
         """The compiled kernel `kind` when it applies to this step's tensors and the cache, else
