@@ -7,6 +7,7 @@ must match token for token, not just within quantization error.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -161,6 +162,25 @@ def run_with_urgent_arrival(llm, low, urgent, at_step):
     raise AssertionError("requests did not finish")
 
 
+@contextlib.contextmanager
+def preempted_by_urgent(model, seed: int, pool: int, **settings):
+    """`low` and `urgent` alone on a roomy pool (the outputs wanted), then through
+    run_with_urgent_arrival on `pool` blocks with swap preemption, one request per step (see
+    test_swap_preemption_resumes_exactly). Yields (the engine, its outputs, the wanted ones)."""
+    rng = random.Random(seed)
+    low, urgent = [rng.randrange(256) for _ in range(45)], [rng.randrange(256) for _ in range(60)]
+    common = dict(check_integrity=True, max_model_len=96, max_num_batched_tokens=64, max_num_seqs=1,
+                  scheduling_policy="priority", **settings)
+    alone = LLM(model, **common, num_gpu_blocks_override=200)
+    want = {"low": alone.generate([low], greedy(30), use_tqdm=False)[0].outputs[0].token_ids,
+            "urgent": alone.generate([urgent], greedy(20), use_tqdm=False)[0].outputs[0].token_ids}
+    llm = LLM(model, **common, num_gpu_blocks_override=pool, preemption_mode="swap", swap_space=0.01)
+    try:
+        yield llm, run_with_urgent_arrival(llm, low, urgent, at_step=9), want
+    finally:
+        llm.engine.close()
+
+
 @pytest.mark.parametrize("dt", ["fp8_e4m3", "int4"])
 def test_swap_preemption_resumes_exactly(tiny, dt):
     """One request per step throughout (max_num_seqs=1), so that the run with a preemption and the
@@ -168,26 +188,15 @@ def test_swap_preemption_resumes_exactly(tiny, dt):
     the batch size, and quantization turns such a difference into a whole code step. So any
     difference left is the swap's. (Sealing the open block on swap-out instead of carrying its
     residual makes int4 diverge here, as does recompute preemption.)"""
-    rng = random.Random(5)
-    low, urgent = [rng.randrange(256) for _ in range(45)], [rng.randrange(256) for _ in range(60)]
-    common = dict(dtype="float32", kv_cache_dtype=dt, check_integrity=True, block_size=8,
-                  max_model_len=96, max_num_batched_tokens=64, max_num_seqs=1,
-                  scheduling_policy="priority")
-    alone = LLM(tiny, **common, num_gpu_blocks_override=200)
-    want = {"low": alone.generate([low], greedy(30), use_tqdm=False)[0].outputs[0].token_ids,
-            "urgent": alone.generate([urgent], greedy(20), use_tqdm=False)[0].outputs[0].token_ids}
-    llm = LLM(tiny, **common, num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.01)
-    try:
+    with preempted_by_urgent(tiny, 5, 14, dtype="float32", kv_cache_dtype=dt, block_size=8) as (llm, got, want):
         # After 9 steps `low` holds 53 tokens: 6 sealed blocks and an open one (5 tokens).
-        assert run_with_urgent_arrival(llm, low, urgent, at_step=9) == want
+        assert got == want
         s = llm.engine.get_stats()
         assert s.num_swapped_preemptions == 1 and s.num_swap_fallbacks == 0
         assert s.resume_prefix_cache_hits == 53  # nothing recomputed
         assert s.tier_hits["host"] % 8 == 5  # the open block came back from the host tier
         assert llm.engine.kv_tiers.host.held_bytes == 0
         llm.engine.kv.check_integrity()
-    finally:
-        llm.engine.close()
 
 
 def test_other_kv_dtype_never_restores_from_a_shared_disk_tier(tiny, roomy_outputs, tmp_path):
@@ -248,22 +257,11 @@ def test_swap_preemption_resumes_exactly_through_the_staged_kernel(tiny_d64, dt)
     (on AVX512-BF16 CPUs) attention over the quantized cache goes through the staging scratch:
     a swapped-out open block comes back into a residual entry the staging pass reads, and the
     output must not change by a token."""
-    rng = random.Random(6)
-    low, urgent = [rng.randrange(256) for _ in range(45)], [rng.randrange(256) for _ in range(60)]
-    common = dict(dtype="bfloat16", kv_cache_dtype=dt, check_integrity=True, block_size=16,
-                  max_model_len=96, max_num_batched_tokens=64, max_num_seqs=1,
-                  scheduling_policy="priority")
-    alone = LLM(tiny_d64, **common, num_gpu_blocks_override=200)
-    want = {"low": alone.generate([low], greedy(30), use_tqdm=False)[0].outputs[0].token_ids,
-            "urgent": alone.generate([urgent], greedy(20), use_tqdm=False)[0].outputs[0].token_ids}
-    llm = LLM(tiny_d64, **common, num_gpu_blocks_override=7, preemption_mode="swap", swap_space=0.01)
-    try:
+    with preempted_by_urgent(tiny_d64, 6, 7, dtype="bfloat16", kv_cache_dtype=dt, block_size=16) as (llm, got, want):
         # After 9 steps `low` holds 53 tokens: 3 sealed blocks and an open one (5 tokens).
-        assert run_with_urgent_arrival(llm, low, urgent, at_step=9) == want
+        assert got == want
         s = llm.engine.get_stats()
         assert s.num_swapped_preemptions == 1 and s.resume_prefix_cache_hits == 53
         assert s.tier_hits["host"] % 16 == 5  # the open block came back from the host tier
         if varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is not None:
             assert llm.engine.runner.model.attn._scratch is not None  # the staged path ran
-    finally:
-        llm.engine.close()

@@ -37,6 +37,13 @@ class StagePart(NamedTuple):
     tables: np.ndarray  # [n, max_blocks] int64: their block tables renumbered into the scratch
 
 
+def _renumbered(seqs: slice, block_tables: np.ndarray, read: np.ndarray) -> StagePart:
+    ids, index = np.unique(block_tables[seqs][read[seqs]], return_inverse=True)
+    tables = np.zeros((seqs.stop - seqs.start, block_tables.shape[1]), dtype=np.int64)
+    tables[read[seqs]] = index
+    return StagePart(seqs, torch.from_numpy(ids.astype(np.int64)), tables)
+
+
 def plan_stage_parts(block_tables: np.ndarray, first_block: np.ndarray, num_blocks: np.ndarray,
                      max_stage_blocks: int) -> list[StagePart]:
     """Split the step's sequences (in order) into parts of at most `max_stage_blocks` distinct
@@ -45,31 +52,18 @@ def plan_stage_parts(block_tables: np.ndarray, first_block: np.ndarray, num_bloc
     n = block_tables.shape[0]
     cols = np.arange(block_tables.shape[1])[None, :]
     read = (cols >= first_block[:, None]) & (cols < num_blocks[:, None])
-    ids, index = np.unique(block_tables[read], return_inverse=True)
-    if len(ids) <= max_stage_blocks or n == 1:  # the common case, one part: vectorised
-        tables = np.zeros(block_tables.shape, dtype=np.int64)
-        tables[read] = index
-        return [StagePart(slice(0, n), torch.from_numpy(ids.astype(np.int64)), tables)]
-    parts: list[StagePart] = []
-    start = 0
-    while start < n:
-        seen: dict[int, int] = {}
-        end = start
-        while end < n:
-            row = block_tables[end, first_block[end]:num_blocks[end]]
-            new = [b for b in dict.fromkeys(row.tolist()) if b not in seen]
-            if end > start and len(seen) + len(new) > max_stage_blocks:
-                break
-            for b in new:
-                seen[b] = len(seen)
-            end += 1
-        tables = np.zeros((end - start, block_tables.shape[1]), dtype=np.int64)
-        for i in range(start, end):
-            cols = slice(first_block[i], num_blocks[i])
-            tables[i - start, cols] = [seen[b] for b in block_tables[i, cols].tolist()]
-        parts.append(StagePart(slice(start, end), torch.tensor(list(seen), dtype=torch.int64), tables))
-        start = end
-    return parts
+    whole = _renumbered(slice(0, n), block_tables, read)
+    if whole.block_ids.numel() <= max_stage_blocks:  # the common case: everything fits one part
+        return [whole]
+    bounds, start, seen = [], 0, set()
+    for i in range(n):
+        row = set(block_tables[i, read[i]].tolist())
+        if i > start and len(seen | row) > max_stage_blocks:
+            bounds.append(slice(start, i))
+            start, seen = i, set()
+        seen |= row
+    bounds.append(slice(start, n))
+    return [_renumbered(seqs, block_tables, read) for seqs in bounds]
 
 
 _CODE_KINDS = {"uint8": 0, "int4": 1, "e4m3": 2, "e5m2": 3}
@@ -118,8 +112,10 @@ class StageScratch:
         in the pairs layout, `[U, H, D/2, bs, 2]` and `[U, H, bs/2, D, 2]`."""
         H, D, bs, u = kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.block_size, block_ids.numel()
         shape = (H, D // 2, bs, 2)
-        if self.k is None or self.k.shape[0] < u or self.k.shape[1:] != shape:
-            cap = max(u, 2 * self.k.shape[0] if self.k is not None and self.k.shape[1:] == shape else u)
+        if self.k is None or self.k.shape[1:] != shape:
+            self.k = self.v = None
+        if self.k is None or self.k.shape[0] < u:
+            cap = u if self.k is None else max(u, 2 * self.k.shape[0])
             self.k = torch.empty(cap, *shape, dtype=torch.bfloat16)
             self.v = torch.empty(cap, H, bs // 2, D, 2, dtype=torch.bfloat16)
         if self._stage is not None:
