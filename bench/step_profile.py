@@ -12,6 +12,7 @@ inflates the Python side, so its percentages overstate bookkeeping).
     python bench/step_profile.py
     python bench/step_profile.py --steps 50 --cprofile
     python bench/step_profile.py --breakdown
+    python bench/step_profile.py --breakdown --kv-cache-dtype int8
 Prints a table and writes bench/results/step_profile.json.
 """
 from __future__ import annotations
@@ -39,12 +40,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), int8, fp8, int4")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="time attention and linear layers inside the model")
     ap.add_argument("--json", default=str(HERE / "results" / "step_profile.json"))
     args = ap.parse_args(argv)
 
-    llm = LLM(None, dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=64)
+    llm = LLM(None, dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=64,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine, model = llm.engine, llm.engine.runner.model
     prompts, _ = make_workloads(64, 49152)["random"]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 40, ignore_eos=True)
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
         prof.disable()
     total = time.perf_counter() - t
     rest = total - spent["model"]
-    result = {"steps": args.steps, "mean_batch": sum(batch) / len(batch), "ms_per_step": total / args.steps * 1e3,
+    result = {"steps": args.steps, "kv_cache_dtype": args.kv_cache_dtype, "mean_batch": sum(batch) / len(batch), "ms_per_step": total / args.steps * 1e3,
               "model_ms_per_step": spent["model"] / args.steps * 1e3, "other_ms_per_step": rest / args.steps * 1e3,
               "other_share": rest / total, "token_occupancy": engine.get_stats().token_occupancy,
               "cprofile": bool(prof)}

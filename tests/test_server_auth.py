@@ -28,6 +28,14 @@ def auth(key):
     return {"Authorization": f"Bearer {key}"}
 
 
+def test_pool_reported_before_the_first_request(server):
+    """The gauges are set at start-up, not on the first step: a fresh server showed 0 blocks."""
+    assert server.metric("kvserve:kv_blocks_total") == NUM_BLOCKS
+    assert server.metric("kvserve:kv_blocks_free") == NUM_BLOCKS
+    info = [k for k in server.metrics() if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and f'num_gpu_blocks="{NUM_BLOCKS}"' in info[0] and 'block_size="16"' in info[0], info
+
+
 @pytest.mark.parametrize("method, path, body", [
     ("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),

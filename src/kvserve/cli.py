@@ -201,7 +201,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     llm = AsyncLLM.from_engine_args(args)
     disable_created_metrics()  # no *_created series: monitoring greps see one line per metric
-    metrics = ServerMetrics(names[0], llm.max_model_len, args)
+    metrics = ServerMetrics(names[0], llm.max_model_len, args, initial_stats=llm.latest_stats)
     llm.step_listeners.append(metrics)
     if not args.disable_log_stats:
         # vLLM's VLLM_LOG_STATS_INTERVAL, under our prefix.

@@ -47,7 +47,9 @@ class _RequestProgress:
 class ServerMetrics:
     """Owns its own CollectorRegistry (no process-global state, several servers per process in tests)."""
 
-    def __init__(self, model_name: str, max_model_len: int, engine_args=None):
+    def __init__(self, model_name: str, max_model_len: int, engine_args=None, initial_stats=None):
+        """initial_stats: the engine's stats before its first step. Without them the pool gauges
+        read 0 until the first request, and a fresh server would report an empty KV pool."""
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         L = ["model_name"]
@@ -132,6 +134,16 @@ class ServerMetrics:
                 "block_size": str(engine_args.block_size), "kv_cache_dtype": str(engine_args.kv_cache_dtype),
                 "enable_prefix_caching": str(engine_args.enable_prefix_caching),
                 "max_num_seqs": str(engine_args.max_num_seqs), "max_model_len": str(max_model_len)})
+        if engine_args is not None and initial_stats is not None:
+            # vLLM's info gauge (value 1, the settings as labels): dashboards read the pool size here.
+            labels = {"block_size": str(engine_args.block_size), "cache_dtype": str(engine_args.kv_cache_dtype),
+                      "enable_prefix_caching": str(engine_args.enable_prefix_caching),
+                      "gpu_memory_utilization": str(engine_args.gpu_memory_utilization),
+                      "num_gpu_blocks": str(initial_stats.num_blocks_total),
+                      "num_gpu_blocks_override": str(engine_args.num_gpu_blocks_override),
+                      "swap_space": str(engine_args.swap_space), "cpu_offload_gb": str(engine_args.cpu_offload_gb)}
+            Gauge("vllm:cache_config_info", "Information of the engine's cache configuration.", list(labels),
+                  registry=r).labels(**labels).set(1)
         # Export every series from the start (zeros), as vLLM does: rate() and greps need them to exist.
         for metric in vars(self).values():
             if isinstance(metric, (Gauge, Counter, Histogram)) and metric._labelnames == ("model_name",):
@@ -140,6 +152,8 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         self._last: dict[str, float] = {}
         self._progress: dict[str, _RequestProgress] = {}
+        if initial_stats is not None:
+            self.observe_stats(initial_stats)
 
     # ----- updates (engine thread) -----
 

@@ -64,52 +64,67 @@ inline __m512 rounded(__m512 x) {
     return x;
 }
 
-inline float meta_at(const MetaRef& m, int64_t i) {
+template <int MK>
+inline float meta_load(const void* p, int64_t i) {
+    if constexpr (MK == 0) return ((const float*)p)[i];
+    else if constexpr (MK == 1) return _cvtsh_ss(((const uint16_t*)p)[i]);
+    else if constexpr (MK == 2) return e4m3_to_f32(((const uint8_t*)p)[i]);
+    else return ldexpf(1.f, ((const int8_t*)p)[i]);
+}
+
+// m's values for every channel of every token group of block b, head h: rows[tg * dh + d], rows
+// 64-byte aligned. Done for the whole block before its tokens are dequantized: per token (the
+// per-token formats) the lookups, interleaved with the arithmetic, cost ~2.5x the arithmetic.
+template <int MK>
+void expand_rows(const MetaRef& m, int64_t b, int h, int dh, int bs, float* rows) {
+    const int groups = (bs + m.gt - 1) / m.gt;
+    for (int tg = 0; tg < groups; ++tg) {
+        const int64_t base = b * m.sb + (int64_t)tg * m.st + (int64_t)h * m.sh;
+        float* row = rows + (int64_t)tg * dh;
+        if (m.gd % 16 == 0) {  // each group spans whole 16-channel chunks
+            for (int g = 0, d0 = 0; d0 < dh; ++g) {
+                const __m512 x = _mm512_set1_ps(meta_load<MK>(m.ptr, base + (int64_t)g * m.sd));
+                for (int end = d0 + m.gd < dh ? d0 + m.gd : dh; d0 < end; d0 += 16) _mm512_store_ps(row + d0, x);
+            }
+            continue;
+        }
+        for (int d0 = 0; d0 < dh; d0 += 16) {
+            __m512 x;
+            if (MK == 0 && m.gd == 1 && m.sd == 1) {
+                x = _mm512_loadu_ps((const float*)m.ptr + base + d0);
+            } else if (MK == 1 && m.gd == 1 && m.sd == 1) {
+                x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)m.ptr + base + d0)));
+            } else if (MK == 2 && m.gd == 1 && m.sd == 1) {
+                x = e4m3x16(_mm_loadu_si128((const __m128i*)((const uint8_t*)m.ptr + base + d0)));
+            } else {  // small groups (2, 4, 8 channels): rare settings
+                alignas(64) float lanes[16];
+                for (int i = 0; i < 16; ++i) lanes[i] = meta_load<MK>(m.ptr, base + (int64_t)((d0 + i) / m.gd) * m.sd);
+                x = _mm512_load_ps(lanes);
+            }
+            _mm512_store_ps(row + d0, x);
+        }
+    }
+}
+
+void expand_rows(const MetaRef& m, int64_t b, int h, int dh, int bs, float* rows) {
     switch (m.kind) {
-        case 0: return ((const float*)m.ptr)[i];
-        case 1: return _cvtsh_ss(((const uint16_t*)m.ptr)[i]);
-        case 2: return e4m3_to_f32(((const uint8_t*)m.ptr)[i]);
-        default: return ldexpf(1.f, ((const int8_t*)m.ptr)[i]);
+        case 0: expand_rows<0>(m, b, h, dh, bs, rows); break;
+        case 1: expand_rows<1>(m, b, h, dh, bs, rows); break;
+        case 2: expand_rows<2>(m, b, h, dh, bs, rows); break;
+        default: expand_rows<3>(m, b, h, dh, bs, rows); break;
     }
 }
 
-// m's values for every channel of (b, token group tg, h) into row[dh] (64-byte aligned). Called
-// once per token group, so the per-lane work here is off the per-element path. No integer
-// division on the common paths: at one per token per field they cost more than the arithmetic.
-inline void expand_meta(const MetaRef& m, int64_t b, int tg, int h, int dh, float* row) {
-    const int64_t base = b * m.sb + (int64_t)tg * m.st + (int64_t)h * m.sh;
-    if (m.gd % 16 == 0) {  // each group spans whole 16-channel chunks
-        for (int g = 0, d0 = 0; d0 < dh; ++g) {
-            const __m512 x = _mm512_set1_ps(meta_at(m, base + (int64_t)g * m.sd));
-            for (int end = d0 + m.gd < dh ? d0 + m.gd : dh; d0 < end; d0 += 16) _mm512_store_ps(row + d0, x);
+// Which row of a field's expanded rows token t reads, advanced token by token (no division).
+struct RowCursor {
+    const float* row;
+    int left, gt, dh;
+    RowCursor(const float* rows, int gt_, int dh_) : row(rows), left(gt_), gt(gt_), dh(dh_) {}
+    inline void next() {
+        if (--left == 0) {
+            left = gt;
+            row += dh;
         }
-        return;
-    }
-    for (int d0 = 0; d0 < dh; d0 += 16) {
-        __m512 x;
-        if (m.gd == 1 && m.sd == 1 && m.kind == 0) {
-            x = _mm512_loadu_ps((const float*)m.ptr + base + d0);
-        } else if (m.gd == 1 && m.sd == 1 && m.kind == 1) {
-            x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)m.ptr + base + d0)));
-        } else if (m.gd == 1 && m.sd == 1 && m.kind == 2) {
-            x = e4m3x16(_mm_loadu_si128((const __m128i*)((const uint8_t*)m.ptr + base + d0)));
-        } else {  // small groups (2, 4, 8 channels): rare settings
-            alignas(64) float lanes[16];
-            for (int i = 0; i < 16; ++i) lanes[i] = meta_at(m, base + (int64_t)((d0 + i) / m.gd) * m.sd);
-            x = _mm512_load_ps(lanes);
-        }
-        _mm512_store_ps(row + d0, x);
-    }
-}
-
-// Token-group bookkeeping without a division per token: expands m when token t enters a new group.
-struct GroupCursor {
-    int next = 0, index = -1;
-    inline bool enter(int t, int gt) {
-        if (t < next) return false;
-        next += gt;
-        ++index;
-        return true;
     }
 };
 
@@ -131,38 +146,76 @@ inline __m512 codes16(const uint8_t* row, int d0) {
     }
 }
 
-// Field f of head h, block b -> bf16 token rows out[bs][dh].
+// Field f of head h, block b -> bf16, as token rows out[bs][dh] (PAIRS false: keys, transposed
+// afterwards) or straight into the value pairs layout, out[bs/2][dh] 32-bit (t, t+1) pairs.
+// meta: room for the expanded rows of scale, zero and exponent, bs * dh floats each.
 // pf: codes to prefetch meanwhile (a later block's share for this head), spread over the token
 // loop: issued all at once, a block's ~50 lines overflow the miss queue and most are dropped.
-template <int KIND>
+template <int KIND, bool ZERO, bool EXP, bool PAIRS>
 void dequant_block(const QField& f, int64_t b, int h, int hkv, int dh, int bs, uint16_t* out, float* meta,
                    const uint8_t* pf) {
-    float* sc = meta;
-    float* zr = meta + dh;
-    float* ex = meta + 2 * dh;
+    const int64_t room = (int64_t)bs * dh;
+    expand_rows(f.scale, b, h, dh, bs, meta);
+    if (ZERO) expand_rows(f.zero, b, h, dh, bs, meta + room);
+    if (EXP) expand_rows(f.expo, b, h, dh, bs, meta + 2 * room);
+    RowCursor sc(meta, f.scale.gt, dh), zr(meta + room, ZERO ? f.zero.gt : 1, dh),
+        ex(meta + 2 * room, EXP ? f.expo.gt : 1, dh);
     const int P = KIND == 1 ? dh / 2 : dh;
+    // x - (+0) is x for every x, -0 included: no branch for the formats without an offset.
     const __m512 off = _mm512_set1_ps(f.code_offset);
-    // Locals, not f's fields: the row stores may alias anything, so fields would be reloaded.
-    const bool has_off = f.code_offset != 0.f, has_zero = f.zero.ptr, has_exp = f.expo.ptr;
     const uint8_t* codes = f.codes + b * f.code_block + (int64_t)h * P;
     const int64_t row_stride = (int64_t)hkv * P;
-    GroupCursor sg, zg, eg;  // the token group whose values the rows hold
-    for (int t = 0; t < bs; ++t) {
-        if (sg.enter(t, f.scale.gt)) expand_meta(f.scale, b, sg.index, h, dh, sc);
-        if (has_zero && zg.enter(t, f.zero.gt)) expand_meta(f.zero, b, zg.index, h, dh, zr);
-        if (has_exp && eg.enter(t, f.expo.gt)) expand_meta(f.expo, b, eg.index, h, dh, ex);
-        const uint8_t* row = codes + t * row_stride;
-        if (pf) __builtin_prefetch(pf + t * row_stride);
-        for (int d0 = 0; d0 < dh; d0 += 16) {
-            __m512 x = codes16<KIND>(row, d0);
-            if (has_off) x = _mm512_sub_ps(x, off);
-            // Separate multiply and add (no FMA): torch rounds after each, and so must this.
-            x = rounded(_mm512_mul_ps(x, _mm512_load_ps(sc + d0)));
-            if (has_zero) x = _mm512_add_ps(x, _mm512_load_ps(zr + d0));
-            if (has_exp) x = _mm512_mul_ps(x, _mm512_load_ps(ex + d0));
-            _mm256_storeu_si256((__m256i*)(out + (int64_t)t * dh + d0), (__m256i)_mm512_cvtneps_pbh(x));
+    const auto value = [&](int t, int d0, const float* s, const float* z, const float* e) {
+        __m512 x = _mm512_sub_ps(codes16<KIND>(codes + t * row_stride, d0), off);
+        // Separate multiply and add (no FMA): torch rounds after each, and so must this.
+        x = rounded(_mm512_mul_ps(x, _mm512_load_ps(s + d0)));
+        if (ZERO) x = _mm512_add_ps(x, _mm512_load_ps(z + d0));
+        if (EXP) x = _mm512_mul_ps(x, _mm512_load_ps(e + d0));
+        return x;
+    };
+    if constexpr (!PAIRS) {
+        for (int t = 0; t < bs; ++t) {
+            if (pf) __builtin_prefetch(pf + t * row_stride);
+            for (int d0 = 0; d0 < dh; d0 += 16)
+                _mm256_storeu_si256((__m256i*)(out + (int64_t)t * dh + d0),
+                                    (__m256i)_mm512_cvtneps_pbh(value(t, d0, sc.row, zr.row, ex.row)));
+            sc.next();
+            if (ZERO) zr.next();
+            if (EXP) ex.next();
+        }
+    } else {
+        // cvtne2ps puts token t's 16 values below token t+1's; this interleaves them.
+        const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        for (int t = 0; t < bs; t += 2) {
+            if (pf) {
+                __builtin_prefetch(pf + t * row_stride);
+                __builtin_prefetch(pf + (t + 1) * row_stride);
+            }
+            const float *s0 = sc.row, *z0 = zr.row, *e0 = ex.row;
+            sc.next();
+            if (ZERO) zr.next();
+            if (EXP) ex.next();
+            for (int d0 = 0; d0 < dh; d0 += 16) {
+                const __m512 x1 = value(t + 1, d0, sc.row, zr.row, ex.row), x0 = value(t, d0, s0, z0, e0);
+                _mm512_storeu_si512(out + (int64_t)t * dh + 2 * d0,
+                                    _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(x1, x0)));
+            }
+            sc.next();
+            if (ZERO) zr.next();
+            if (EXP) ex.next();
         }
     }
+}
+
+template <int KIND, bool PAIRS>
+void dequant_kind(const QField& f, int64_t b, int h, int hkv, int dh, int bs, uint16_t* out, float* meta,
+                  const uint8_t* pf) {
+    const bool z = f.zero.ptr, e = f.expo.ptr;
+    if (z && e) dequant_block<KIND, true, true, PAIRS>(f, b, h, hkv, dh, bs, out, meta, pf);
+    else if (z) dequant_block<KIND, true, false, PAIRS>(f, b, h, hkv, dh, bs, out, meta, pf);
+    else if (e) dequant_block<KIND, false, true, PAIRS>(f, b, h, hkv, dh, bs, out, meta, pf);
+    else dequant_block<KIND, false, false, PAIRS>(f, b, h, hkv, dh, bs, out, meta, pf);
 }
 
 // 16x16 32-bit transpose: rows src + i * stride -> rows dst + i * dstride. In registers: 64
@@ -205,18 +258,19 @@ inline void prefetch_metas(const QField& f, int64_t b) {
     prefetch_meta(f.expo, b);
 }
 
-inline void dequant(const QField& f, int64_t b, int h, int hkv, int dh, int bs, uint16_t* out, float* meta,
-                    int64_t next) {
+template <bool PAIRS>
+void dequant(const QField& f, int64_t b, int h, int hkv, int dh, int bs, uint16_t* out, float* meta,
+             int64_t next) {
     const uint8_t* pf = nullptr;
     if (next >= 0) {
         pf = f.codes + next * f.code_block + (int64_t)h * (f.code_kind == 1 ? dh / 2 : dh);
         if (h == 0) prefetch_metas(f, next);
     }
     switch (f.code_kind) {
-        case 0: dequant_block<0>(f, b, h, hkv, dh, bs, out, meta, pf); break;
-        case 1: dequant_block<1>(f, b, h, hkv, dh, bs, out, meta, pf); break;
-        case 2: dequant_block<2>(f, b, h, hkv, dh, bs, out, meta, pf); break;
-        default: dequant_block<3>(f, b, h, hkv, dh, bs, out, meta, pf); break;
+        case 0: dequant_kind<0, PAIRS>(f, b, h, hkv, dh, bs, out, meta, pf); break;
+        case 1: dequant_kind<1, PAIRS>(f, b, h, hkv, dh, bs, out, meta, pf); break;
+        case 2: dequant_kind<2, PAIRS>(f, b, h, hkv, dh, bs, out, meta, pf); break;
+        default: dequant_kind<3, PAIRS>(f, b, h, hkv, dh, bs, out, meta, pf); break;
     }
 }
 
@@ -233,34 +287,34 @@ extern "C" void stage_quantized_pairs(const QField* kf, const QField* vf, const 
     const int np = dh / 2;
     #pragma omp parallel
     {
-        // Token rows [bs][dh] of K and V, then the pair shuffles into the output.
+        // Token rows [bs][dh] of K, transposed into the output afterwards; a sealed block's V goes
+        // straight into the output.
         uint16_t* kt = (uint16_t*)aligned_alloc(64, (size_t)bs * dh * 2);
-        uint16_t* vt = (uint16_t*)aligned_alloc(64, (size_t)bs * dh * 2);
-        float* meta = (float*)aligned_alloc(64, sizeof(float) * 3 * dh);
+        float* meta = (float*)aligned_alloc(64, sizeof(float) * 3 * bs * dh);
         #pragma omp for schedule(static)
         for (int64_t w = 0; w < n * hkv; ++w) {
             const int64_t u = w / hkv, b = block_ids[u];
             const int h = (int)(w % hkv);
             const int64_t e = block_res ? block_res[b] : -1;
             const int64_t next = u + 2 < n ? block_ids[u + 2] : -1;  // one block's work is ~1 us
-            const uint16_t *ks = kt, *vs = vt;
+            uint32_t* ko = (uint32_t*)out_k + (u * hkv + h) * np * bs;
+            uint32_t* vo = (uint32_t*)out_v + (u * hkv + h) * (bs / 2) * dh;
+            const uint16_t* ks = kt;
             int64_t tok = dh;  // elements between token rows
             if (e >= 0) {  // open block: its bf16 rows in the residual pool
                 tok = (int64_t)hkv * dh;
                 ks = res + (int64_t)e * 2 * bs * tok + (int64_t)h * dh;
-                vs = ks + (int64_t)bs * tok;
-            } else {
-                dequant(*kf, b, h, hkv, dh, bs, kt, meta, next);
-                dequant(*vf, b, h, hkv, dh, bs, vt, meta, next);
-            }
-            uint32_t* ko = (uint32_t*)out_k + (u * hkv + h) * np * bs;
-            uint32_t* vo = (uint32_t*)out_v + (u * hkv + h) * (bs / 2) * dh;
-            for (int t = 0; t < bs; t += 2) {
-                for (int d0 = 0; d0 < dh; d0 += 16) {
-                    const __m512i v0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vs + t * tok + d0)));
-                    const __m512i v1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vs + (t + 1) * tok + d0)));
-                    _mm512_storeu_si512(vo + (int64_t)(t / 2) * dh + d0, _mm512_or_si512(v0, _mm512_slli_epi32(v1, 16)));
+                const uint16_t* vs = ks + (int64_t)bs * tok;
+                for (int t = 0; t < bs; t += 2) {
+                    for (int d0 = 0; d0 < dh; d0 += 16) {
+                        const __m512i v0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vs + t * tok + d0)));
+                        const __m512i v1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vs + (t + 1) * tok + d0)));
+                        _mm512_storeu_si512(vo + (int64_t)(t / 2) * dh + d0, _mm512_or_si512(v0, _mm512_slli_epi32(v1, 16)));
+                    }
                 }
+            } else {
+                dequant<false>(*kf, b, h, hkv, dh, bs, kt, meta, next);
+                dequant<true>(*vf, b, h, hkv, dh, bs, (uint16_t*)vo, meta, next);
             }
             // K: token rows of (d, d+1) pairs -> per pair, 16 tokens in a row (16x16 transposes).
             for (int t0 = 0; t0 < bs; t0 += 16)
@@ -268,7 +322,6 @@ extern "C" void stage_quantized_pairs(const QField* kf, const QField* vf, const 
                     transpose16((const uint32_t*)(ks + t0 * tok) + j0, tok / 2, ko + (int64_t)j0 * bs + t0, bs);
         }
         free(kt);
-        free(vt);
         free(meta);
     }
 #endif
