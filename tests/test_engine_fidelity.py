@@ -121,14 +121,26 @@ def test_n_sequences_share_prompt_blocks_and_match_seeded_runs(tiny):
 def test_errors_name_the_problem(tiny, tmp_path):
     path, _ = tiny
     from kvserve.config import ConfigError
-    with pytest.raises(ConfigError, match=r"max seq len \(4096\) is larger than the maximum number of tokens.*\(64\)"):
-        LLM(str(path), dtype="float32", max_model_len=4096, block_size=16, num_gpu_blocks_override=4)
+    with pytest.raises(ConfigError, match=r"max seq len \(1024\) is larger than the maximum number of tokens.*\(64\)"):
+        LLM(str(path), dtype="float32", max_model_len=1024, block_size=16, num_gpu_blocks_override=4)
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=8 * 2**20)
     with pytest.raises(RequestError, match="maximum context length is 64 tokens"):
         llm.generate([[1] * 80], greedy())
     # The engine keeps serving others after the rejection.
     out = llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+    # One bad prompt in a batch: the call fails as a whole, naming the prompt, and leaves nothing
+    # queued (its good requests used to stay in the engine and break every later call).
+    with pytest.raises(RequestError, match="prompt 1 of 3: .*maximum context length is 64"):
+        llm.generate([[1, 2], [1] * 80, [3]], greedy(4), use_tqdm=False)
+    with pytest.raises(RequestError, match="prompt 2 of 3: prompt token ids must be integers"):
+        llm.generate([[1], [2], [-1]], greedy(4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    again = llm.generate([[1, 2, 3], [4, 5]], greedy(4), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in again] == [4, 4]
+    # max_tokens past the context is capped there (finish reason "length"), as vLLM's engine does.
+    long = llm.generate([[1] * 60], greedy(30), use_tqdm=False)[0].outputs[0]
+    assert len(long.token_ids) == 4 and long.finish_reason == "length"
     bad = make_tiny_model(tmp_path / "bad", kind="llama_gqa")
     cfg = (bad / "config.json").read_text().replace("LlamaForCausalLM", "FalconForCausalLM")
     (bad / "config.json").write_text(cfg.replace('"llama"', '"falcon"'))

@@ -165,10 +165,13 @@ def test_torn_and_foreign_lines_are_skipped_with_a_warning(capsys, tmp_path):
     (None, "cannot open"),
     ('{"foo": 1}\n', "no usable request records"),
     ('{"prompt_tokens": "many"}\n', "no usable request records"),
+    (b"\xff\xfe\x00 not text", "is not UTF-8 text"),
 ])
 def test_user_errors(capsys, tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     rc, d = _run_json(capsys, str(path), "--no-plan")
     assert rc == 2 and message in d["stderr"]

@@ -119,6 +119,9 @@ def test_user_errors_name_the_flag(capsys):
     assert "not both" in capsys.readouterr().err
     assert bench("--url", "http://x", "--output-len", "normal:5") == 2
     assert "--output-len" in capsys.readouterr().err
+    # An unwritable --json fails before the run, not after it (the results were lost).
+    assert bench("--url", "http://127.0.0.1:9", "--num-requests", "1", "--json", "/nonexistent-dir/r.json") == 2
+    assert "/nonexistent-dir does not exist" in capsys.readouterr().err
 
 
 def test_plot_writes_png_or_says_matplotlib_is_missing(server, tmp_path, capsys, monkeypatch):

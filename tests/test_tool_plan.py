@@ -223,7 +223,10 @@ def test_cli_strict_fails_when_max_model_len_cannot_fit(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["Llama-9-1T"], "neither an existing path"),
-    (["Llama-3.1-8B", "--gpu-memory", "80"], "write a unit"),
+    (["Llama-3.1-8B", "--gpu-memory", "80"], "e.g. 80GiB"),
+    (["Llama-3.1-8B", "--gpu-memory", "1KiB"], "e.g. 80GiB"),  # not "1KiBGiB"
+    (["Llama-3.1-8B", "--block-size", "7"], "--block-size must be one of"),
+    (["Llama-3.1-8B", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["Llama-3.1-70B", "--gpu-memory", "80GiB"], "no room for KV cache"),
     (["Llama-3.1-8B", "--quantization", "gguf", "--gpu-memory", "80GiB"], "needs a .gguf"),
     (["Llama-3.1-8B", "-tp", "3"], "tensor-parallel-size 3"),

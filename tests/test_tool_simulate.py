@@ -170,6 +170,16 @@ def test_cli_errors_name_the_flag(tmp_path, capsys):
     assert "--kv-cache-dtype" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot open" in capsys.readouterr().err
+    for argv, message in ((["--num-requests", "-5"], "--num-requests must be >= 1"),
+                          (["--block-size", "7"], "the engine takes block sizes"),
+                          (["--step-overhead-ms", "-1"], "--step-overhead-ms must be >= 0"),
+                          (["--json", str(tmp_path / "no" / "r.json")], "does not exist")):
+        assert main(["simulate", *argv]) == 2
+        assert message in capsys.readouterr().err
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert main(["simulate", "--trace", str(binary)]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
     # a pool smaller than one request: every configuration fails with the reason
     assert main(["simulate", "--num-requests", "2", "--prompt-len", "600", "--num-blocks", "8"]) == 1
     assert "the pool holds 128 tokens" in capsys.readouterr().out

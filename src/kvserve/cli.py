@@ -370,9 +370,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return ns._run(ns) or 0
-    except ConfigError as e:
+    except _user_errors() as e:
         print(f"kvserve {ns.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors caused by the user's settings or files: one line, no traceback. Looked up lazily,
+    so `kvserve plan` and friends do not import torch; a module that raised is loaded by then."""
+    kinds: list[type[BaseException]] = [ConfigError]
+    for module, name in (("kvserve.model.loader", "ModelLoadError"), ("kvserve.model.tokenizer", "TokenizerError"),
+                         ("kvserve.engine.outputs", "RequestError"), ("kvserve.kv.quant", "QuantError")):
+        if module in sys.modules:
+            kinds.append(getattr(sys.modules[module], name))
+    return tuple(kinds)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ the same names as keyword arguments. Nothing else configures the engine.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 
@@ -38,6 +39,34 @@ def parse_size(value: str | int | float, flag: str = "size") -> int:
         except ValueError:
             raise ConfigError(f"{flag}: cannot parse {value!r}; use bytes or a size like 4GiB, 512MiB, 2GB") from None
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # what --block-size accepts
+
+
+def host_memory(field: str = "MemAvailable") -> int | None:
+    """A /proc/meminfo field (MemAvailable, MemTotal) in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_writable(path: str | None, flag: str) -> None:
+    """Fail before a long run rather than after it when its output file cannot be written."""
+    if not path or path == "-":
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; give a file path")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {path}: the directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot write in {parent}; choose another path")
 
 
 @dataclass
@@ -81,8 +110,8 @@ class EngineArgs:
     disable_cascade_attn: bool = False
 
     def validate(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ConfigError(f"--block-size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {self.block_size})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})")
         if self.kv_cache_dtype == "fp8":
@@ -133,6 +162,12 @@ class EngineArgs:
         if offload and not self.enable_prefix_caching:
             raise ConfigError("--kv-disk-path / --kv-redis-url keep prefix-cache blocks, so they need prefix "
                               "caching; drop --no-enable-prefix-caching or the tier flags")
+        total = host_memory("MemTotal")
+        if total is not None and self.host_tier_gib * 2**30 > 0.7 * total:
+            # vLLM's limit: the tier allocates lazily, so an oversize one would fail much later, mid-serve.
+            flag = "--swap-space" if self.swap_space else "--cpu-offload-gb"
+            raise ConfigError(f"{flag} {self.host_tier_gib:g} GiB is more than 70% of this machine's "
+                              f"{total / 2**30:.1f} GiB of memory; lower {flag}")
         if self.preemption_mode == "swap" and self.host_tier_gib <= 0:
             raise ConfigError("--preemption-mode swap moves a preempted request's KV to host memory, but no host "
                               "tier is configured; set --swap-space (GiB), e.g. --swap-space 4")

@@ -127,6 +127,8 @@ class LLMEngine:
         self.prompt_tokens_total += len(prompt_ids)
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if not isinstance(prompt, (str, list, tuple)):
+            raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty; send at least one token", "prompt")
@@ -147,19 +149,15 @@ class LLMEngine:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"prompt has {len(ids)} tokens, which leaves no room for output; shorten the prompt "
-                f"or raise --max-model-len", "prompt")
+                f"or raise max_model_len (--max-model-len)", "prompt")
         return text, ids
 
     def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """Output is capped at the context left after the prompt (finish reason "length"), as
+        vLLM's engine does; the OpenAI server refuses an explicit overflow itself, with a 400."""
         room = self.max_model_len - prompt_len
-        if params.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=room)
-        if params.max_tokens > room:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
-                f"{params.max_tokens} for the completion); reduce max_tokens to at most {room}",
-                "max_tokens")
+        if params.max_tokens is None or params.max_tokens > room:
+            return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         return params
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

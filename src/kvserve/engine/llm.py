@@ -12,7 +12,7 @@ from typing import Sequence
 
 from kvserve.config import EngineArgs
 from kvserve.engine.engine import LLMEngine
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import RequestError, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -45,10 +45,19 @@ class LLM:
             else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
+        ids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            try:
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            except RequestError as e:
+                # All or nothing, as vLLM: the call's requests added so far must not stay queued.
+                self.engine.abort_request(ids)
+                where = f"prompt {i} of {len(prompts)}: " if len(prompts) > 1 else ""
+                raise RequestError(f"{where}{e}", e.param) from e
+            except BaseException:
+                self.engine.abort_request(ids)
+                raise
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
@@ -66,6 +75,7 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         bar = None
         if use_tqdm and len(ids) > 1:
             from tqdm import tqdm
@@ -75,7 +85,7 @@ class LLM:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine stopped with requests unfinished")
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

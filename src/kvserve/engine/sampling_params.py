@@ -1,6 +1,7 @@
 """Per-request sampling settings, with vLLM's field names and validation messages."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -29,11 +30,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # Normalised where the type allows; anything else is left for validate() to name.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        elif self.stop is None or isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:  # vLLM's "disabled"
             self.top_k = 0
 
     @property
@@ -44,6 +48,23 @@ class SamplingParams:
         def bad(name: str, why: str) -> SamplingParamsError:
             return SamplingParamsError(f"{name} {why}")
 
+        def number(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            number(name)
+        for name in ("top_k", "min_tokens", "max_tokens", "seed", "logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise bad(name, f"must be an integer, got {v!r}")
+        if not isinstance(self.stop, list):
+            raise bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise bad("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.n > max_n:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineArgs, ModelConfig
+from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineArgs, ModelConfig, host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,17 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
     `reserved_bytes` (a quantized cache's residual pool) comes out of the budget first."""
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
-        logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
-                       max_model_len, model_config.max_position_embeddings)
+        # As vLLM: positions past what the model was trained on give garbage, so refuse unless asked.
+        allowed = any(os.environ.get(v, "0").lower() in ("1", "true")
+                      for v in ("KVSERVE_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"))
+        if not allowed:
+            raise ConfigError(
+                f"--max-model-len {max_model_len} is larger than the model's context size "
+                f"(max_position_embeddings {model_config.max_position_embeddings}); lower --max-model-len, "
+                f"or set KVSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 if the model really handles longer inputs")
+        logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d "
+                       "(allowed by KVSERVE_ALLOW_LONG_MAX_MODEL_LEN)", max_model_len,
+                       model_config.max_position_embeddings)
     if args.num_gpu_blocks_override is not None:
         memory = args.num_gpu_blocks_override * bytes_per_block
         num_blocks = args.num_gpu_blocks_override
@@ -83,6 +93,12 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
                 f"No memory left for the KV cache: one block takes {bytes_per_block} bytes but the "
                 f"budget is {memory} bytes{residual}; raise {budget_flag}"
                 f"{' or lower --max-num-seqs' if reserved_bytes else ''}")
+    available = host_memory("MemAvailable") if device.type == "cpu" else None
+    if available is not None and memory > available:
+        flag = "--num-gpu-blocks-override" if args.num_gpu_blocks_override is not None else "--kv-cache-memory"
+        raise ConfigError(
+            f"The KV cache would take {memory / 2**30:.1f} GiB but this machine has "
+            f"{available / 2**30:.1f} GiB of memory available; lower {flag} (the weights need room too)")
     fits = num_blocks * args.block_size
     if max_model_len > fits:
         raise ConfigError(

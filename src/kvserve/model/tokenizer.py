@@ -246,6 +246,7 @@ class Tokenizer:
             raise TokenizerError(
                 "this model has no chat template (none in tokenizer_config.json, chat_template.jinja or the GGUF "
                 "metadata); use a completion prompt instead of chat messages, or load an instruction-tuned model")
+        messages = chat_text_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
         from jinja2.exceptions import TemplateError
@@ -254,10 +255,45 @@ class Tokenizer:
                 messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                 unk_token=self.unk_token or "", pad_token=self.pad_token or "", **template_kwargs)
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # TypeError: the template's own operations on our values
             raise TokenizerError(f"the chat template rejected these messages: {e}") from None
         # The template writes any BOS itself, so tokenizing must not add another.
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_text_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI-style messages -> dicts whose content is a string, as text chat templates expect:
+    null content (an assistant turn that only called tools) becomes "", a list of text parts is
+    joined with newlines. Other keys (name, tool_calls) are passed through."""
+    if not isinstance(messages, list) or not messages:
+        raise TokenizerError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TokenizerError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise TokenizerError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            text = content or ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise TokenizerError(f"messages[{i}].content[{j}]: content part type {kind!r} is not "
+                                         "supported; send text parts ({'type': 'text', 'text': ...}) only")
+                parts.append(part["text"])
+            text = "\n".join(parts)
+        else:
+            raise TokenizerError(f"messages[{i}].content must be a string, a list of text parts or null; "
+                                 f"got {type(content).__name__}")
+        out.append({**m, "content": text})
+    return out
 
 
 def _compile_chat_template(source: str):

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 from kvserve.engine.async_engine import AsyncLLM, RequestStream
 from kvserve.engine.outputs import RequestError
 from kvserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.model.tokenizer import TokenizerError, chat_text_messages
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
 
@@ -219,23 +220,10 @@ class OpenAIServing:
     # ----- /v1/chat/completions -----
 
     def _chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            if m.content is None or isinstance(m.content, str):
-                text = m.content or ""
-            else:
-                parts = []
-                for j, part in enumerate(m.content):
-                    if isinstance(part, P.TextContentPart):
-                        parts.append(part.text)
-                    elif part.get("type") == "text" and isinstance(part.get("text"), str):
-                        parts.append(part["text"])
-                    else:
-                        raise APIError(f"messages[{i}].content[{j}]: content part type {part.get('type')!r} is "
-                                       "not supported; this server accepts text parts only",
-                                       param=f"messages[{i}].content")
-                text = "\n".join(parts)
-            messages.append({"role": m.role, "content": text})
+        try:
+            messages = chat_text_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        except TokenizerError as e:
+            raise APIError(str(e), param="messages") from None
         try:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # a template's own raise_exception(), e.g. roles out of order

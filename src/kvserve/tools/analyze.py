@@ -29,7 +29,7 @@ import time as _time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
-from kvserve.config import ConfigError
+from kvserve.config import BLOCK_SIZES, ConfigError
 from kvserve.tools.plan import KVPlan, add_model_arguments, fmt_bytes, memory_budget, normalize_dtype, plan_kv
 from kvserve.tools.presets import resolve_model
 
@@ -105,14 +105,18 @@ def read_request_log(path: str) -> RequestLog:
         raise ConfigError(f"LOGFILE {path}: cannot open it ({e.strerror})") from None
     log = RequestLog(records=[])
     with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                log.records.append(parse_record(json.loads(line)))
-            except (ValueError, json.JSONDecodeError) as e:  # a torn last line or a foreign record
-                log.skipped_lines += 1
-                log.first_skip = log.first_skip or f"line {lineno}: {e}"
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    log.records.append(parse_record(json.loads(line)))
+                except (ValueError, json.JSONDecodeError) as e:  # a torn last line or a foreign record
+                    log.skipped_lines += 1
+                    log.first_skip = log.first_skip or f"line {lineno}: {e}"
+        except UnicodeDecodeError:
+            raise ConfigError(f"LOGFILE {path} is not UTF-8 text; give a JSONL request log "
+                              "(kvserve serve --request-log writes one)") from None
     if not log.records:
         why = f" ({log.skipped_lines} lines skipped; first: {log.first_skip})" if log.skipped_lines else ""
         raise ConfigError(f"LOGFILE {path}: no usable request records{why}; each line must be a JSON object "
@@ -313,8 +317,10 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.block_size < 1:
-            raise ConfigError(f"--block-size must be >= 1 (got {args.block_size})")
+        if args.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {args.block_size})")
+        if args.max_model_len is not None and args.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1 (got {args.max_model_len})")
         if args.headroom < 0:
             raise ConfigError(f"--headroom must be >= 0 (got {args.headroom})")
         report = analyze(read_request_log(args.logfile), args)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from kvserve.config import ConfigError
+from kvserve.config import ConfigError, check_writable
 from kvserve.tools.workload import (DEFAULT_TOKEN_RANGE, Conversation, LengthDist, WorkloadSpec, describe,
                                     iter_conversations)
 
@@ -335,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         args._bench_parser.print_help(sys.stderr)
         return 2
     try:
+        check_writable(args.json, "--json")
         cfg = config_from_args(args)
         report, records = run_bench(cfg)
     except ConfigError as e:

@@ -13,7 +13,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
-from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, ConfigError, ModelConfig, parse_size
+from kvserve.config import BLOCK_SIZES, DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, ConfigError, ModelConfig, parse_size
 from kvserve.tools.presets import ModelSpec, count_parameters, resolve_model
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -50,8 +50,8 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, m
 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {kv_cache_dtype!r})")
-    if block_size < 1:
-        raise ConfigError(f"--block-size must be >= 1 (got {block_size})")
+    if block_size not in BLOCK_SIZES:
+        raise ConfigError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {block_size})")
     rank_cfg = replace(cfg, num_key_value_heads=kv_heads_per_gpu(cfg, tensor_parallel_size))
     try:
         return kv_cache_bytes_per_block(rank_cfg, block_size, kv_cache_dtype, getattr(torch, normalize_dtype(model_dtype)))
@@ -119,6 +119,8 @@ def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv
     max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
     if max_model_len < 1:
         raise ConfigError(f"--max-model-len must be >= 1 (got {max_model_len})")
+    if max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1 (got {max_num_seqs})")
     kv_heads = kv_heads_per_gpu(cfg, tensor_parallel_size)
     dtype = normalize_dtype(model_dtype)
     bytes_per_block = kv_bytes_per_block(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size)
@@ -238,7 +240,10 @@ def memory_budget(args: argparse.Namespace, spec: ModelSpec) -> MemoryBudget:
 def _size(value: str, flag: str) -> int:
     n = parse_size(value, flag)
     if n < 1024**2:
-        raise ConfigError(f"{flag} {value!r} is only {n} bytes; write a unit, e.g. {value}GiB")
+        bare = str(value).strip().replace(".", "", 1).isdigit() and float(value) > 0
+        example = f"{value}GiB" if bare else "80GiB"  # "1KiB" + "GiB" would be no help
+        raise ConfigError(f"{flag} {value!r} is only {n} bytes, too little to plan anything; "
+                          f"give a size with a unit, e.g. {example}")
     return n
 
 

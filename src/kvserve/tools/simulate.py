@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
-from kvserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, ConfigError, parse_size
+from kvserve.config import BLOCK_SIZES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, ConfigError, check_writable, parse_size
 from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -232,6 +232,13 @@ def _on_off(x: str) -> bool:
     raise ValueError(f"{x!r} is not on/off")
 
 
+def _block_size(x: str) -> int:
+    n = int(x)
+    if n not in BLOCK_SIZES:
+        raise ValueError(f"the engine takes block sizes {', '.join(map(str, BLOCK_SIZES))}, not {n}")
+    return n
+
+
 def _positive_int(x: str) -> int:
     n = int(x)
     if n < 1:
@@ -251,7 +258,7 @@ class SweepReport:
 
 
 def build_configs(args, model_cfg, model_dtype: str) -> list[SimConfig]:
-    sizes = _list(args.block_size, "--block-size", _positive_int)
+    sizes = _list(args.block_size, "--block-size", _block_size)
     dtypes = _list(args.kv_cache_dtype, "--kv-cache-dtype", _choice(KV_CACHE_DTYPES))
     seqs = _list(args.max_num_seqs, "--max-num-seqs", _positive_int)
     policies = _list(args.scheduling_policy, "--scheduling-policy", _choice(SCHEDULING_POLICIES))
@@ -372,6 +379,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1 (got {args.max_num_batched_tokens})")
+        if not args.trace and args.num_requests < 1:
+            raise ConfigError(f"--num-requests must be >= 1 (got {args.num_requests})")
+        if args.step_overhead_ms < 0:
+            raise ConfigError(f"--step-overhead-ms must be >= 0 (got {args.step_overhead_ms})")
+        if args.max_model_len is not None and args.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1 (got {args.max_model_len})")
+        check_writable(args.json, "--json")
         report = run_sweep(args)
     except ConfigError as e:
         print(f"kvserve simulate: error: {e}", file=sys.stderr)

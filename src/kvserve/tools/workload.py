@@ -202,18 +202,22 @@ def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, pr
         raise ConfigError(f"--trace {path}: cannot open it ({e.strerror})") from None
     rows, skipped = [], 0
     with f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                prompt = obj["prompt_tokens"]
-                n = len(prompt) if isinstance(prompt, list) else int(prompt)
-                if n < 1:
-                    raise ValueError
-                rows.append(obj)
-            except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-                skipped += 1
+        try:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    prompt = obj["prompt_tokens"]
+                    n = len(prompt) if isinstance(prompt, list) else int(prompt)
+                    if n < 1:
+                        raise ValueError
+                    rows.append(obj)
+                except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+                    skipped += 1
+        except UnicodeDecodeError:
+            raise ConfigError(f"--trace {path} is not UTF-8 text; give a JSONL request log "
+                              "(kvserve serve --request-log writes one)") from None
     if not rows:
         raise ConfigError(f"--trace {path}: no usable request records ({skipped} skipped); each line must be a "
                           "JSON object with prompt_tokens (kvserve serve --request-log writes them)")

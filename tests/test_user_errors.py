@@ -1,0 +1,81 @@
+"""Mistakes a user can make at start-up or per request: each is refused with a message naming
+what to change (found by auditing the CLI and offline API as a vLLM user would use them)."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.cli import main
+from kvserve.config import ConfigError, EngineArgs, host_memory
+from kvserve.engine.sampling_params import SamplingParamsError
+from kvserve.model.tokenizer import TokenizerError, chat_text_messages
+
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), kind="llama_gqa"))  # max_position_embeddings 1024
+
+
+def test_cli_reports_load_errors_in_one_line(capsys, tmp_path):
+    assert main(["generate", "hi", "--model", str(tmp_path / "nonexistent")]) == 2
+    err = capsys.readouterr().err
+    assert "error: model path" in err and "not found" in err and "Traceback" not in err
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "hi", "--model", str(tmp_path / "empty")]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_max_model_len_past_the_model_needs_the_override(tiny, monkeypatch):
+    with pytest.raises(ConfigError, match=r"--max-model-len 2048 is larger than the model's context size "
+                                          r"\(max_position_embeddings 1024\).*KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"):
+        LLM(tiny, dtype="float32", max_model_len=2048, kv_cache_memory="16MiB")
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's switch works too
+    assert LLM(tiny, dtype="float32", max_model_len=2048, kv_cache_memory="16MiB").engine.max_model_len == 2048
+
+
+def test_budgets_beyond_the_machine_are_refused():
+    total = host_memory("MemTotal")
+    if total is None:
+        pytest.skip("no /proc/meminfo")
+    with pytest.raises(ConfigError, match="more than 70% of this machine's"):
+        EngineArgs(swap_space=total / 2**30).validate()
+
+
+def test_kv_cache_larger_than_memory_is_refused(tiny):
+    if host_memory() is None:
+        pytest.skip("no /proc/meminfo")
+    with pytest.raises(ConfigError, match="memory available; lower --kv-cache-memory"):
+        LLM(tiny, dtype="float32", kv_cache_memory="64TiB")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_k=-2), "top_k must be -1 or 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature="a"), "temperature must be a finite number"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer"),
+    (dict(stop=5), "stop must be a string or a list"),
+    (dict(seed=True), "seed must be an integer"),
+])
+def test_sampling_params_of_the_wrong_kind(kwargs, message):
+    with pytest.raises(SamplingParamsError, match=message):
+        SamplingParams(**kwargs).validate()
+
+
+def test_sampling_params_vllm_spellings_still_work():
+    for kwargs in (dict(top_k=-1), dict(stop="x"), dict(stop=None), dict(stop=("a", "b"))):
+        SamplingParams(**kwargs).validate()
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(stop="x").stop == ["x"]
+
+
+def test_chat_messages_are_normalised_or_refused():
+    out = chat_text_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                              {"role": "assistant", "content": None, "tool_calls": []}])
+    assert out == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "", "tool_calls": []}]
+    for messages, message in (([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
+                              ([{"role": "bot", "content": "x"}], r"messages\[0\].role must be one of"),
+                              ([{"role": "user", "content": [{"type": "image_url"}]}], "'image_url' is not supported"),
+                              ([], "non-empty list"), (["hi"], r"messages\[0\] must be a dict")):
+        with pytest.raises(TokenizerError, match=message):
+            chat_text_messages(messages)
