@@ -73,6 +73,27 @@ CASES = [
     ("suffix", COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, ["suffix"], "suffix"),
     ("body-too-large", COMPLETIONS, b'{"prompt": "' + b"a" * (2 * 1024 * 1024) + b'"}', 413,
      ["limit", "1048576"], None),
+    # vLLM parameters kvserve lacks: refused by name, never a 200 that ignored them.
+    ("guided-choice", CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_choice": ["yes", "no"]}, 400,
+     ["guided_choice", "structured output"], "guided_choice"),
+    ("beam-search", COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, ["beam search"], "use_beam_search"),
+    ("allowed-token-ids", COMPLETIONS, {"prompt": "x", "allowed_token_ids": [30]}, 400, ["allowed_token_ids"],
+     "allowed_token_ids"),
+    ("prompt-logprobs", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1}, 400, ["prompt logprobs"],
+     "prompt_logprobs"),
+    ("chat-echo", CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, ["echo"], "echo"),
+    ("spaces-between-special-tokens-off", COMPLETIONS, {"prompt": "x", "spaces_between_special_tokens": False},
+     400, ["spaces_between_special_tokens"], "spaces_between_special_tokens"),
+    ("stream-options-without-stream", COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, ["stream is true"], "stream_options"),
+    ("priority-under-fcfs", COMPLETIONS, {"prompt": "x", "priority": 5}, 400, ["--scheduling-policy priority"],
+     "priority"),
+    ("continue-and-generation-prompt", CHAT, {"messages": [{"role": "user", "content": "x"},
+                                                           {"role": "assistant", "content": "y"}],
+                                              "continue_final_message": True}, 400, ["cannot both be true"],
+     "messages"),
+    ("truncate-zero", COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, [">= 1"],
+     "truncate_prompt_tokens"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [10**7]}, 400, ["tokens"], "tokens"),
     ("tokenize-nothing", "/tokenize", {}, 400, ["prompt", "messages"], None),
 ]
@@ -89,6 +110,14 @@ def test_bad_input(server, path, body, status, words, param):
     if param is not None:
         assert err["param"] == param
     assert err["type"]
+
+
+def test_off_values_and_unknown_fields_are_accepted(server):
+    """A vLLM parameter at its off value, or a field nobody knows, does not fail the request (vLLM
+    logs and ignores unknown fields)."""
+    r = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 1, "use_beam_search": False, "guided_json": None,
+                                   "spaces_between_special_tokens": True, "some_new_field": 1})
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_route_and_method(server):

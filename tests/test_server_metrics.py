@@ -87,6 +87,8 @@ def test_latency_histograms_and_counters_fill(server):
     assert delta("vllm:time_per_output_token_seconds_count") == 4
     assert delta("vllm:generation_tokens_total") == 5
     assert delta("vllm:request_generation_tokens_sum") == 5
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 5
+    assert delta("vllm:request_params_n_sum") == 1
     assert delta("vllm:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
     key = '{finished_reason="length",model_name="SmolLM2-135M-Instruct"}'
     assert m1["vllm:request_success_total" + key] - m0["vllm:request_success_total" + key] == 1

@@ -63,6 +63,37 @@ def test_n2_gives_two_indexed_choices(client):
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
+def test_streamed_n2_sends_one_finish_per_choice(client):
+    """A choice that stopped early used to repeat its finish chunk on every later step of its sibling."""
+    kw = dict(model=MODEL, max_tokens=20, n=2, temperature=1.0, seed=11, stream=True)
+    for chunks in (client.completions.create(prompt="List some fruits:", stop=[","], **kw),
+                   client.chat.completions.create(messages=[{"role": "user", "content": "List fruits, comma separated"}],
+                                                  stop=[","], **kw)):
+        finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert sorted(finishes) == [0, 1], finishes
+
+
+def test_truncate_prompt_tokens_and_continue_final_message(client, server):
+    r = client.completions.create(model=MODEL, prompt="one two three four five six seven", max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    messages = [{"role": "user", "content": "Name a color"}, {"role": "assistant", "content": "The color is"}]
+    cont = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "continue_final_message": True,
+                                                       "add_generation_prompt": False, "return_token_strs": True}).json()
+    closed = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert "".join(cont["token_strs"]).endswith("The color is")  # no end-of-turn after the last message
+    assert cont["tokens"] == closed["tokens"][:cont["count"]] and closed["count"] > cont["count"]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert chat.usage.prompt_tokens == cont["count"] and chat.choices[0].message.content
+
+
+def test_cors_as_vllm_by_default(server):
+    r = httpx.options(f"{server.url}/v1/models", headers={"Origin": "http://localhost:3000",
+                                                           "Access-Control-Request-Method": "GET"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
 def test_seeded_n2_matches_two_seeded_single_runs(client):
     """Sequence i of a seeded n-request samples with seed + i (engine contract), so it is reproducible."""
     kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=6, temperature=1.0)

@@ -79,3 +79,24 @@ def test_chat_messages_are_normalised_or_refused():
                               ([], "non-empty list"), (["hi"], r"messages\[0\] must be a dict")):
         with pytest.raises(TokenizerError, match=message):
             chat_text_messages(messages)
+
+
+@pytest.mark.parametrize("argv", [["-tp", "1"], ["--generation-config", "vllm"], ["--tokenizer-mode", "auto"],
+                                  ["--distributed-executor-backend", "mp"], ["--max-seq-len-to-capture", "8192"],
+                                  ["--disable-frontend-multiprocessing"], ["--root-path", "/x"],
+                                  ["--allowed-origins", '["http://a"]'], ["--response-role", "bot"]])
+def test_vllm_serve_flags_are_accepted(argv):
+    from kvserve.cli import build_parser
+    build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv, message", [(["-tp", "2"], "tensor parallelism"),
+                                           (["--generation-config", "auto"], "generation_config.json"),
+                                           (["--tokenizer-mode", "slow"], "fast tokenizer"),
+                                           (["--distributed-executor-backend", "ray"], "no Ray backend"),
+                                           (["--allowed-origins", "*"], "JSON list")])
+def test_vllm_serve_flags_refused_with_the_reason(argv, message, capsys):
+    from kvserve.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *argv])
+    assert message in capsys.readouterr().err

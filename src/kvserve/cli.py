@@ -83,22 +83,42 @@ _REFUSED = {
     "reasoning_parser": (None, "reasoning parsers are not implemented"),
     "guided_decoding_backend": (None, "structured output is not implemented"),
     "revision": (None, "hub revisions are not supported; pass a local model directory"),
+    "generation_config": ("vllm", "a model's generation_config.json defaults are not applied; requests start "
+                                  "from vLLM's own sampling defaults, which is --generation-config vllm"),
+    "tokenizer_mode": ("auto", "the model's fast tokenizer (tokenizer.json or GGUF metadata) is always used"),
+    "distributed_executor_backend": (("mp", "uni"), "kvserve runs in one process; there is no Ray backend"),
 }
+_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
+# Flags that change nothing here: name -> why (switches), and the same for flags that take a value.
 _NOOP = {"enforce_eager": "kvserve never captures CUDA graphs, so it always runs eagerly",
          "trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
-         "disable_log_requests": "requests are not logged unless --enable-log-requests is given"}
+         "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
+         "disable_frontend_multiprocessing": "the HTTP server and the engine share one process already"}
+_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve captures no CUDA graphs"}
 
 
 class _Refuse(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         allowed, why = _REFUSED[self.dest]
-        if allowed is None or str(values) != allowed:
+        allowed = (allowed,) if isinstance(allowed, str) else allowed or ()
+        if str(values) not in allowed:
             parser.error(f"{option_string}{'' if values is None else ' ' + str(values)} is not supported: {why}")
 
 
 class _Noop(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        logger.info("%s: accepted, nothing to do (%s)", option_string, _NOOP[self.dest])
+        logger.info("%s: accepted, nothing to do (%s)", option_string, {**_NOOP, **_NOOP_VALUE}[self.dest])
+
+
+def _json_list(value: str) -> list[str]:
+    import json
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON list of strings, e.g. '[\"http://localhost:3000\"]'")
+    return items
 
 
 def _flag(name: str) -> str:
@@ -143,12 +163,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     refused = parser.add_argument_group("vLLM flags kvserve refuses (an error names the reason)")
     for name, (allowed, why) in _REFUSED.items():
         if name not in hints:
-            refused.add_argument(_flag(name), dest=name, nargs="?", action=_Refuse, default=argparse.SUPPRESS,
-                                 metavar="X", help=why + (f" (only {allowed} is accepted)" if allowed else ""))
+            only = " or ".join((allowed,) if isinstance(allowed, str) else allowed or ())
+            refused.add_argument(_flag(name), *_ALIASES.get(name, []), dest=name, nargs="?", action=_Refuse,
+                                 default=argparse.SUPPRESS, metavar="X",
+                                 help=why + (f" (only {only} is accepted)" if only else ""))
     noop = parser.add_argument_group("vLLM flags accepted with nothing to do")
     for name, why in _NOOP.items():
         if name not in hints:
             noop.add_argument(_flag(name), dest=name, nargs=0, action=_Noop, default=argparse.SUPPRESS, help=why)
+    for name, why in _NOOP_VALUE.items():
+        noop.add_argument(_flag(name), dest=name, action=_Noop, default=argparse.SUPPRESS, metavar="X", help=why)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -183,6 +207,14 @@ def _add_serve(sub) -> None:
                    help="larger request bodies get 413 (default: 32MiB)")
     s.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--root-path", default="", help="FastAPI root_path when behind a path-based proxy")
+    s.add_argument("--response-role", default="assistant", help="role of the generated chat message "
+                   "(default: %(default)s)")
+    s.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list "
+                   "(default: %(default)s, as vLLM)")
+    s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
+    s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.set_defaults(_run=run_serve)
 
 
@@ -194,7 +226,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from kvserve.server.app import build_app
     from kvserve.server.auth import Authenticator, load_api_keys
     from kvserve.server.metrics import RequestLogWriter, ServerMetrics, StatLogger
-    from kvserve.server.serving import ServingConfig
+    from kvserve.server.serving import CorsConfig, ServingConfig
 
     args = engine_args_from(ns)
     auth = Authenticator(load_api_keys(ns.api_key, ns.api_keys_file))
@@ -208,14 +240,17 @@ def run_serve(ns: argparse.Namespace) -> int:
         llm.step_listeners.append(StatLogger(float(os.environ.get("KVSERVE_LOG_STATS_INTERVAL", "10"))))
     if ns.request_log:
         llm.step_listeners.append(RequestLogWriter(ns.request_log))
+    cors = CorsConfig(ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials)
     config = ServingConfig(served_model_names=names, max_logprobs=args.max_logprobs,
-                           enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len)
+                           enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len,
+                           response_role=ns.response_role, cors=cors, scheduling_policy=args.scheduling_policy)
     app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes)
     s = llm.latest_stats
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",
                 args.model or "embedded SmolLM2-135M-Instruct", ", ".join(names), ns.host, ns.port,
                 llm.max_model_len, s.num_blocks_total, args.block_size, "on" if auth.enabled else "off")
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=5,
+                root_path=ns.root_path)
     return 0
 
 

@@ -240,8 +240,13 @@ class Tokenizer:
     # -- chat ---------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, tools: list[dict] | None = None,
-                            **template_kwargs: Any) -> str | list[int]:
-        """Render a conversation into the prompt text the model was trained on."""
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str | list[int]:
+        """Render a conversation into the prompt text the model was trained on.
+        continue_final_message: end the prompt inside the last message (no end-of-turn after
+        it), so the model continues that text, as transformers and vLLM do."""
+        if continue_final_message and add_generation_prompt:
+            raise TokenizerError("continue_final_message and add_generation_prompt cannot both be true; set "
+                                 "add_generation_prompt to false to continue the last message")
         if not self.chat_template:
             raise TokenizerError(
                 "this model has no chat template (none in tokenizer_config.json, chat_template.jinja or the GGUF "
@@ -257,6 +262,13 @@ class Tokenizer:
                 unk_token=self.unk_token or "", pad_token=self.pad_token or "", **template_kwargs)
         except (TemplateError, TypeError) as e:  # TypeError: the template's own operations on our values
             raise TokenizerError(f"the chat template rejected these messages: {e}") from None
+        if continue_final_message:
+            final = messages[-1]["content"]
+            cut = final if final in text else final.strip()
+            if cut not in text:
+                raise TokenizerError("continue_final_message: the chat template does not reproduce the last "
+                                     "message's text, so the prompt cannot end inside it")
+            text = text[:text.rindex(cut) + len(cut)]
         # The template writes any BOS itself, so tokenizing must not add another.
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

@@ -162,6 +162,11 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server built around KV-cache management.")
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if config.cors is not None:
+        from starlette.middleware.cors import CORSMiddleware
+        c = config.cors
+        app.add_middleware(CORSMiddleware, allow_origins=c.allowed_origins, allow_methods=c.allowed_methods,
+                           allow_headers=c.allowed_headers, allow_credentials=c.allow_credentials)
     bearer = HTTPBearer(auto_error=False)
 
     async def tenant(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
@@ -262,6 +267,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
               dependencies=[Depends(tenant)])
     async def tokenize(body: P.TokenizeRequest):
         serving.check_model(body.model)
+        serving.check_extras(body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send exactly one of `prompt` or `messages`", param="prompt")
         if body.prompt is not None:
@@ -269,14 +275,17 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         else:
             if not body.messages:
                 raise APIError("`messages` is empty", param="messages")
-            chat = P.ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            chat = P.ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                                           continue_final_message=body.continue_final_message)
             ids = serving._chat_prompt(chat)
-        return P.TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids)
+        strs = [serving.token_text(t) for t in ids] if body.return_token_strs else None
+        return P.TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERROR_RESPONSES,
               dependencies=[Depends(tenant)])
     async def detokenize(body: P.DetokenizeRequest):
         serving.check_model(body.model)
+        serving.check_extras(body)
         vocab = serving.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

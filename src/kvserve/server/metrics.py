@@ -95,6 +95,9 @@ class ServerMetrics:
         token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
         self.req_prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt length per finished request.", token_buckets)
         self.req_gen_tokens = hist("vllm:request_generation_tokens", "Generated tokens per finished request (all n).", token_buckets)
+        self.req_max_gen_tokens = hist("vllm:request_max_num_generation_tokens",
+                                       "Per finished request: tokens of its longest sequence.", token_buckets)
+        self.req_params_n = hist("vllm:request_params_n", "The n of each finished request.", [1, 2, 5, 10, 20])
         # --- native ---
         self.blocks_total = gauge("kvserve:kv_blocks_total", "KV blocks in the device pool.")
         self.blocks_free = gauge("kvserve:kv_blocks_free", "Blocks holding nothing reusable (ref==0, no cached content).")
@@ -239,6 +242,8 @@ class ServerMetrics:
         self.request_success.labels(m, reasons[0] if reasons else "abort").inc()
         self.req_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
         self.req_gen_tokens.labels(m).observe(num_tokens)
+        self.req_max_gen_tokens.labels(m).observe(max((len(o.token_ids) for o in out.outputs), default=0))
+        self.req_params_n.labels(m).observe(len(out.outputs))
         end = t.finished_time if t.finished_time is not None else now
         self.e2e.labels(m).observe(max(0.0, end - t.arrival_time))
         if t.first_scheduled_time is not None:

@@ -48,7 +48,13 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingRequest(_Strict):
+class _Request(_Strict):
+    """A request body. Unknown fields are kept (not an error, as in vLLM) so that the server can
+    refuse the vLLM parameters it does not implement instead of silently ignoring them."""
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -73,6 +79,7 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -83,6 +90,27 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+
+
+# vLLM request parameters kvserve does not implement: a request that sets one (to anything but
+# its off value) gets a 400 naming it, rather than a 200 whose output ignored it.
+UNSUPPORTED_PARAMS = {
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                     "guided_whitespace_pattern", "structured_outputs", "whitespace_pattern"),
+                    "structured output (guided decoding) is not implemented"),
+    **dict.fromkeys(("use_beam_search", "length_penalty", "early_stopping"), "beam search is not implemented"),
+    **dict.fromkeys(("allowed_token_ids", "bad_words", "logits_processors"),
+                    "token masks and logits processors are not implemented"),
+    "prompt_logprobs": "prompt logprobs are not computed",
+    **dict.fromkeys(("chat_template", "chat_template_kwargs", "documents"),
+                    "the model's own chat template is always used, as it stands"),
+    **dict.fromkeys(("mm_processor_kwargs", "prompt_embeds", "multi_modal_data"), "only text models are served"),
+    **dict.fromkeys(("kv_transfer_params", "vllm_xargs", "return_tokens_as_token_ids", "return_token_ids",
+                     "parallel_tool_calls", "functions", "function_call", "audio", "modalities", "prediction",
+                     "reasoning_effort", "web_search_options"), "not implemented by kvserve"),
+}
+# Parameters accepted at exactly this value (vLLM's default); anything else is refused as above.
+ONLY_VALUE = {"spaces_between_special_tokens": True}
 
 
 class TextContentPart(_Strict):
@@ -110,17 +138,20 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
@@ -247,6 +278,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

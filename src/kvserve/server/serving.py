@@ -32,6 +32,18 @@ class ServingConfig:
     max_logprobs: int = 20
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    response_role: str = "assistant"  # vLLM's --response-role
+    scheduling_policy: str = "fcfs"
+    cors: CorsConfig | None = None  # None: no CORS headers (tests, embedding apps)
+
+
+@dataclass
+class CorsConfig:
+    """vLLM's CORS flags, with its defaults: any origin, method and header, no credentials."""
+    allowed_origins: list[str]
+    allowed_methods: list[str]
+    allowed_headers: list[str]
+    allow_credentials: bool = False
 
 
 @dataclass
@@ -66,14 +78,51 @@ class OpenAIServing:
                            f"{', '.join(self.config.served_model_names)}", status=404, param="model",
                            type="NotFoundError", code="model_not_found")
 
-    def _check_common(self, req: P._SamplingRequest) -> None:
+    def check_extras(self, req: P._Request, refused: dict[str, str] | None = None) -> None:
+        """A vLLM parameter kvserve lacks gets a 400 naming it; other unknown fields are ignored
+        with a warning, as vLLM does. `refused`: endpoint-specific additions."""
+        ignored = []
+        for name, value in (req.model_extra or {}).items():
+            why = (refused or {}).get(name) or P.UNSUPPORTED_PARAMS.get(name)
+            if name in P.ONLY_VALUE:
+                if value != P.ONLY_VALUE[name]:
+                    raise APIError(f"{name}={value!r} is not supported by kvserve (only {P.ONLY_VALUE[name]!r}); "
+                                   "remove it", param=name)
+            elif why is not None:
+                if value not in (None, False, [], {}, ""):
+                    raise APIError(f"{name} is not supported by kvserve: {why}; remove it", param=name)
+            else:
+                ignored.append(name)
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s", sorted(ignored))
+
+    def _check_common(self, req: P._SamplingRequest, refused: dict[str, str] | None = None) -> None:
         self.check_model(req.model)
+        self.check_extras(req, refused)
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options can only be given when stream is true", param="stream_options")
+        if req.priority and self.config.scheduling_policy != "priority":
+            raise APIError(f"priority {req.priority} was given but the server schedules "
+                           f"{self.config.scheduling_policy}; start it with --scheduling-policy priority, "
+                           "or drop priority", param="priority")
         if req.logit_bias:
             raise APIError("logit_bias is not supported by kvserve; remove it", param="logit_bias")
         if isinstance(req.stop, list) and any(not s for s in req.stop) or req.stop == "":
             raise APIError("stop must be a non-empty string or a list of non-empty strings", param="stop")
         if req.stop_token_ids and any(not 0 <= t < self.tokenizer.vocab_size for t in req.stop_token_ids):
             raise APIError(f"stop_token_ids must be in [0, {self.tokenizer.vocab_size})", param="stop_token_ids")
+
+    def _truncated(self, ids: list[int], req: P._SamplingRequest) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: as many as max_model_len)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == 0:
+            raise APIError("truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)", param="truncate_prompt_tokens")
+        if k > self.max_model_len:
+            raise APIError(f"truncate_prompt_tokens {k} is more than max_model_len {self.max_model_len}",
+                           param="truncate_prompt_tokens")
+        return ids[-(self.max_model_len if k == -1 else k):]
 
     def _check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> int:
         if prompt_len == 0:
@@ -170,7 +219,7 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise APIError("echo with logprobs needs prompt logprobs, which kvserve does not compute; "
                            "drop one of them", param="echo")
-        prompts = self._completion_prompts(req)
+        prompts = [self._truncated(ids, req) for ids in self._completion_prompts(req)]
         max_tokens = [self._check_length(len(ids), req.max_tokens, "prompt") for ids in prompts]
         params = self._sampling_params(req, min(max_tokens), req.logprobs)
         admitted = await self._admit(prompts, params, req, cache_salt, "cmpl")
@@ -193,10 +242,15 @@ class OpenAIServing:
             offsets: dict[int, int] = {}
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            finished: set[int] = set()  # a choice's outputs keep coming while its siblings run (n > 1)
             async for i, out in _merge(admitted):
                 finals[i] = out
                 for o in out.outputs:
                     index = i * req.n + o.index
+                    if index in finished:
+                        continue
+                    if o.finish_reason:
+                        finished.add(index)
                     text = o.delta_text
                     if req.echo and index not in offsets:
                         text = self.tokenizer.decode(out.prompt_token_ids) + text
@@ -225,13 +279,16 @@ class OpenAIServing:
         except TokenizerError as e:
             raise APIError(str(e), param="messages") from None
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                        continue_final_message=req.continue_final_message)
+        except TokenizerError as e:
+            raise APIError(f"messages: {e}", param="messages") from None
         except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
             raise APIError(f"messages: the chat template rejected them: {e}", param="messages") from None
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     async def create_chat_completion(self, req: P.ChatCompletionRequest, cache_salt: str | None):
-        self._check_common(req)
+        self._check_common(req, {"echo": "echo is not implemented for chat completions"})
         if req.tools:
             raise APIError("tools are not supported by kvserve; remove tools/tool_choice", param="tools")
         if req.response_format is not None and req.response_format.type != "text":
@@ -239,7 +296,7 @@ class OpenAIServing:
                            param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
-        ids = self._chat_prompt(req)
+        ids = self._truncated(self._chat_prompt(req), req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_length(len(ids), requested, "messages")
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
@@ -247,7 +304,7 @@ class OpenAIServing:
         if req.stream:
             return self._stream_chat(req, admitted)
         out = (await self._collect(admitted))[0]
-        choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(content=o.text),
+        choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(role=self.config.response_role, content=o.text),
                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                 logprobs=self._chat_logprobs(o.logprobs)) for o in out.outputs]
         return P.ChatCompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
@@ -260,11 +317,16 @@ class OpenAIServing:
             rid, model = admitted.request_id, self.model_name
             for i in range(req.n):  # the role comes first, as OpenAI sends it
                 yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
-                    index=i, delta=P.DeltaMessage(role="assistant", content=""))]).model_dump(exclude_none=True))
+                    index=i, delta=P.DeltaMessage(role=self.config.response_role, content=""))]).model_dump(exclude_none=True))
             last = None
+            finished: set[int] = set()  # a choice's outputs keep coming while its siblings run (n > 1)
             async for _, out in _merge(admitted):
                 last = out
                 for o in out.outputs:
+                    if o.index in finished:
+                        continue
+                    if o.finish_reason:
+                        finished.add(o.index)
                     if not o.delta_text and not o.finish_reason and not o.delta_logprobs:
                         continue
                     chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
