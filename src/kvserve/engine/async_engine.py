@@ -206,6 +206,7 @@ class AsyncLLM:
         def do_abort() -> None:
             if self._streams.pop(request_id, None) is not None:
                 self._aborted.append(request_id)
+                logger.info("Aborted request %s.", request_id)  # vLLM's line: a client left before the end
             self.engine.abort_request([request_id])
 
         with self._cv:
