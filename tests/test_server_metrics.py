@@ -89,6 +89,10 @@ def test_latency_histograms_and_counters_fill(server):
     assert delta("vllm:request_generation_tokens_sum") == 5
     assert delta("vllm:request_max_num_generation_tokens_sum") == 5
     assert delta("vllm:request_params_n_sum") == 1
+    assert delta("vllm:request_params_max_tokens_sum") == 5
+    # One prefill step and four decode steps (nothing else ran: this test's server is idle otherwise).
+    assert delta("vllm:iteration_tokens_total_count") == 5
+    assert delta("vllm:iteration_tokens_total_sum") == r.json()["usage"]["prompt_tokens"] + 4
     assert delta("vllm:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
     key = '{finished_reason="length",model_name="SmolLM2-135M-Instruct"}'
     assert m1["vllm:request_success_total" + key] - m0["vllm:request_success_total" + key] == 1

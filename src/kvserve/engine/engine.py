@@ -86,6 +86,8 @@ class LLMEngine:
         self._group_of: dict[str, _Group] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_steps = 0  # forwards run, and the tokens the last one computed (vllm:iteration_tokens_total)
+        self.last_step_tokens = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -194,6 +196,9 @@ class LLMEngine:
             self.kv_transfer.apply(sched)  # before the runner's copies and forward write the pool
         if sched.is_empty and not sched.finished_req_ids:
             return []
+        if sched.scheduled:
+            self.num_steps += 1
+            self.last_step_tokens = sum(e.num_new_tokens for e in sched.scheduled)
         result = self.runner.execute(sched)  # an empty step still drops finished requests' state
         touched = self.scheduler.update_from_output(sched, result)
         if self.args.check_integrity:
@@ -248,7 +253,7 @@ class LLMEngine:
             last_token_time=max((s.req.last_token_time for s in group.seqs
                                  if s.req.last_token_time is not None), default=None),
             finished_time=time.monotonic() if done else None,
-            num_cached_tokens=max(first.num_cached_tokens, 0))
+            num_cached_tokens=max(first.num_cached_tokens, 0), max_tokens=first.sampling_params.max_tokens)
         if done:
             self._groups.pop(group.request_id, None)
             for s in group.seqs:
@@ -272,7 +277,8 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             tier_hits={"device": s.hits + s.resume_hits - sum(s.tier_hits.values()), **s.tier_hits},
-            num_swapped_preemptions=self.scheduler.num_swaps)
+            num_swapped_preemptions=self.scheduler.num_swaps, num_steps=self.num_steps,
+            last_step_tokens=self.last_step_tokens)
         if self.kv_tiers is not None:
             self._tier_stats(stats)
         return stats

@@ -44,6 +44,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    max_tokens: int | None = None  # the request's max_tokens after defaulting / capping at the context
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -108,3 +109,5 @@ class EngineStats:
     kv_offload_dropped_blocks: int = 0  # the writer queue was full: those blocks were not kept
     num_swapped_preemptions: int = 0  # preemptions whose KV went to the host tier
     num_swap_fallbacks: int = 0  # swap preemptions that recomputed: no room in the host tier
+    num_steps: int = 0  # engine steps that ran a forward
+    last_step_tokens: int = 0  # tokens the latest of them computed (prefill chunks + decodes)

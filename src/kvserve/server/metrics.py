@@ -98,6 +98,10 @@ class ServerMetrics:
         self.req_max_gen_tokens = hist("vllm:request_max_num_generation_tokens",
                                        "Per finished request: tokens of its longest sequence.", token_buckets)
         self.req_params_n = hist("vllm:request_params_n", "The n of each finished request.", [1, 2, 5, 10, 20])
+        self.req_params_max_tokens = hist("vllm:request_params_max_tokens", "The max_tokens of each finished request.",
+                                          token_buckets)
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Tokens computed per engine step.",
+                                     [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
         # --- native ---
         self.blocks_total = gauge("kvserve:kv_blocks_total", "KV blocks in the device pool.")
         self.blocks_free = gauge("kvserve:kv_blocks_free", "Blocks holding nothing reusable (ref==0, no cached content).")
@@ -191,6 +195,9 @@ class ServerMetrics:
         self._advance("rq", self.resume_queries.labels(m), s.resume_prefix_cache_queries)
         self._advance("rh", self.resume_hits.labels(m), s.resume_prefix_cache_hits)
         self._advance("pre", self.preemptions.labels(m), s.num_preemptions)
+        if s.num_steps > self._last.get("steps", 0):  # a forward ran since the last look (one per loop pass)
+            self.iteration_tokens.labels(m).observe(s.last_step_tokens)
+        self._last["steps"] = s.num_steps
         self._advance("ev", self.evictions.labels(m), s.num_cached_block_evictions)
         self._advance("pt", self.prompt_tokens.labels(m), s.prompt_tokens_total)
         self._advance("gt", self.generation_tokens.labels(m), s.generation_tokens_total)
@@ -244,6 +251,8 @@ class ServerMetrics:
         self.req_gen_tokens.labels(m).observe(num_tokens)
         self.req_max_gen_tokens.labels(m).observe(max((len(o.token_ids) for o in out.outputs), default=0))
         self.req_params_n.labels(m).observe(len(out.outputs))
+        if t.max_tokens is not None:
+            self.req_params_max_tokens.labels(m).observe(t.max_tokens)
         end = t.finished_time if t.finished_time is not None else now
         self.e2e.labels(m).observe(max(0.0, end - t.arrival_time))
         if t.first_scheduled_time is not None:
