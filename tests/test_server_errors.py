@@ -79,7 +79,7 @@ CASES = [
     ("beam-search", COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, ["beam search"], "use_beam_search"),
     ("allowed-token-ids", COMPLETIONS, {"prompt": "x", "allowed_token_ids": [30]}, 400, ["allowed_token_ids"],
      "allowed_token_ids"),
-    ("prompt-logprobs", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1}, 400, ["prompt logprobs"],
+    ("prompt-logprobs", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 0}, 400, ["prompt logprobs"],
      "prompt_logprobs"),
     ("chat-echo", CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, ["echo"], "echo"),
     ("spaces-between-special-tokens-off", COMPLETIONS, {"prompt": "x", "spaces_between_special_tokens": False},
@@ -116,7 +116,8 @@ def test_off_values_and_unknown_fields_are_accepted(server):
     """A vLLM parameter at its off value, or a field nobody knows, does not fail the request (vLLM
     logs and ignores unknown fields)."""
     r = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 1, "use_beam_search": False, "guided_json": None,
-                                   "spaces_between_special_tokens": True, "some_new_field": 1})
+                                   "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": True,
+                                   "some_new_field": 1})
     assert r.status_code == 200, r.text
 
 

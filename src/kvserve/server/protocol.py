@@ -109,6 +109,8 @@ UNSUPPORTED_PARAMS = {
                      "parallel_tool_calls", "functions", "function_call", "audio", "modalities", "prediction",
                      "reasoning_effort", "web_search_options"), "not implemented by kvserve"),
 }
+# Their values that mean "not used" besides null / false / empty (clients that send every default).
+OFF_VALUES = {"length_penalty": 1.0}
 # Parameters accepted at exactly this value (vLLM's default); anything else is refused as above.
 ONLY_VALUE = {"spaces_between_special_tokens": True}
 

@@ -37,6 +37,11 @@ class ServingConfig:
     cors: CorsConfig | None = None  # None: no CORS headers (tests, embedding apps)
 
 
+def _is_off(value) -> bool:
+    """A parameter sent at "not used": null, false or empty (0 is a value: prompt_logprobs=0 asks)."""
+    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)
+
+
 @dataclass
 class CorsConfig:
     """vLLM's CORS flags, with its defaults: any origin, method and header, no credentials."""
@@ -89,7 +94,7 @@ class OpenAIServing:
                     raise APIError(f"{name}={value!r} is not supported by kvserve (only {P.ONLY_VALUE[name]!r}); "
                                    "remove it", param=name)
             elif why is not None:
-                if value not in (None, False, [], {}, ""):
+                if not _is_off(value) and value != P.OFF_VALUES.get(name, None):
                     raise APIError(f"{name} is not supported by kvserve: {why}; remove it", param=name)
             else:
                 ignored.append(name)
