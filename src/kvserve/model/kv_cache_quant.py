@@ -91,6 +91,9 @@ class _Placement(NamedTuple):  # one write's tokens into whole blocks, or into p
     index: torch.Tensor  # per token: its block's index in `blocks`
     offs: torch.Tensor  # per token: its slot in the block
     fresh: torch.Tensor | None  # per block (partly written): slot 0 written, a new occupant starts it
+    # Whole blocks: the write's row for each slot of blocks x block_size, in order (a row gather
+    # builds them; a scatter into a zeroed buffer cost several times more on CPU).
+    source_rows: torch.Tensor | None = None
 
 
 class _WritePlan(NamedTuple):
@@ -399,7 +402,10 @@ class QuantizedKVCache(KVCache):
         if bool(whole.any()):
             tok = whole[inv]
             widx = whole.long().cumsum(0) - 1
-            whole_plan = _Placement(ub[whole], tok.nonzero().flatten(), widx[inv[tok]], offs[tok], None)
+            rows, index, w_offs = tok.nonzero().flatten(), widx[inv[tok]], offs[tok]
+            source = torch.empty(rows.numel(), dtype=torch.long, device=self.device)
+            source[index * bs + w_offs] = rows  # every slot of a whole block is written exactly once
+            whole_plan = _Placement(ub[whole], rows, index, w_offs, None, source)
         part = ~whole
         if bool(part.any()):
             tok = part[inv]
@@ -416,12 +422,10 @@ class QuantizedKVCache(KVCache):
         if plan.whole is not None:
             # Blocks written entirely by this call skip the residual: quantize straight away.
             w = plan.whole
-            buf = torch.zeros(2, w.blocks.numel(), bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
-                              device=self.device)
-            buf[0, w.index, w.offs] = k[w.rows]
-            buf[1, w.index, w.offs] = v[w.rows]
+            shape = (w.blocks.numel(), bs, self.num_kv_heads, self.head_dim)
             self._release(layer, w.blocks)
-            self._store_blocks(layer, w.blocks, buf[0], buf[1])
+            self._store_blocks(layer, w.blocks, k.index_select(0, w.source_rows).view(shape),
+                               v.index_select(0, w.source_rows).view(shape))
             self.sealed_fill[layer, w.blocks] = bs
         if plan.part is None:
             return
@@ -447,9 +451,13 @@ class QuantizedKVCache(KVCache):
         self.res_clock[layer, entry] = self._clock[layer]
         e_tok, offs = entry[plan.part.index], plan.part.offs
         if plan.part.rows is not None:
-            k, v = k[plan.part.rows], v[plan.part.rows]
-        self.res_kv[layer, e_tok, 0, offs] = k
-        self.res_kv[layer, e_tok, 1, offs] = v
+            k, v = k.index_select(0, plan.part.rows), v.index_select(0, plan.part.rows)
+        # Row copies into the layer's pool seen as [entries * 2 * bs, H * D]: K rows of entry e at
+        # e * 2 * bs + offs, V rows bs further (index_put with two index tensors is far slower).
+        rows = self.res_kv[layer].view(-1, self.num_kv_heads * self.head_dim)
+        k_rows = e_tok * (2 * bs) + offs
+        rows.index_copy_(0, k_rows, k.reshape(k.shape[0], -1).to(rows.dtype))
+        rows.index_copy_(0, k_rows + bs, v.reshape(v.shape[0], -1).to(rows.dtype))
         self.res_mask[layer, e_tok, offs] = True
         if self.seal_at_step_end:
             return
