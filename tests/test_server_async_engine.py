@@ -181,3 +181,19 @@ def test_engine_build_errors_reach_the_caller():
 
 async def _collect(llm: AsyncLLM, prompt, params) -> list:
     return [out async for out in llm.generate(prompt, params, request_id="built-on-loop")]
+
+
+def test_response_role_names_the_generated_message(llm):
+    """vLLM's --response-role: the role of the message the server returns, streamed or not."""
+    from kvserve.server import protocol as P
+    from kvserve.server.serving import OpenAIServing, ServingConfig
+    serving = OpenAIServing(llm, ServingConfig(["m"], response_role="bot"))
+    body = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0.0)
+
+    async def main():
+        full = await serving.create_chat_completion(P.ChatCompletionRequest(**body), None)
+        assert full["choices"][0]["message"]["role"] == "bot"
+        chunks = [c async for c in await serving.create_chat_completion(
+            P.ChatCompletionRequest(**body, stream=True), None)]
+        assert '"role":"bot"' in chunks[0].replace(" ", "")
+    asyncio.run(main())
