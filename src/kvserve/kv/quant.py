@@ -83,7 +83,8 @@ def fp8_max(kind: str) -> float:
 def fp8_dynamic_scale(x: torch.Tensor, kind: str, reduce_dims: tuple[int, ...]) -> torch.Tensor:
     """Scale mapping the absolute maximum over `reduce_dims` onto the format's largest finite
     value (the dims stay, with size 1, so the result broadcasts against `x`)."""
-    amax = x.detach().abs().float().amax(dim=reduce_dims, keepdim=True) if reduce_dims else x.abs().float()
+    xf = x.detach().float()  # a no-op for float32 input
+    amax = xf.abs().amax(dim=reduce_dims, keepdim=True) if reduce_dims else xf.abs()
     # An all-zero group gets scale 1: any scale represents zeros exactly, and 0 would divide by 0.
     return torch.where(amax > 0, amax / fp8_max(kind), torch.ones_like(amax))
 
@@ -102,22 +103,23 @@ def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | 
     if kind not in FP8_DTYPES:
         raise QuantError(f"quantize_fp8 needs fp8_e4m3 or fp8_e5m2, got {kind!r}")
     mean = None
+    xf = x.detach().float()  # once: each conversion of a 2,048-token layer write costs a full pass
     if center_dims is not None:
         mean_max = float(torch.finfo(FP8_MEAN_DTYPE).max)
         # Clamped: e4m3fn has no infinity. A clamped mean still centers, only less.
-        mean = x.detach().float().mean(dim=center_dims, keepdim=True).clamp(-mean_max, mean_max)
+        mean = xf.mean(dim=center_dims, keepdim=True).clamp(-mean_max, mean_max)
         mean = mean.to(FP8_MEAN_DTYPE)
-        x = x.float() - mean.float()
+        xf = xf - mean.float()
     if scale is None:
-        dims = tuple(range(x.dim())) if reduce_dims is None else reduce_dims
-        scale_t = fp8_dynamic_scale(x, kind, dims)
+        dims = tuple(range(xf.dim())) if reduce_dims is None else reduce_dims
+        scale_t = fp8_dynamic_scale(xf, kind, dims)
     else:
         scale_t = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
         if not bool((scale_t > 0).all()):
             raise QuantError("fp8 scales must be > 0 (a checkpoint k_scale/v_scale of 0 or less is invalid)")
     fmax = fp8_max(kind)
     # Clamp before the cast: e4m3fn has no infinity, an out-of-range cast is NaN on some backends.
-    scaled = (x.float() / scale_t).clamp(-fmax, fmax)
+    scaled = (xf / scale_t).clamp_(-fmax, fmax)
     return Fp8Quantized(scaled.to(FP8_DTYPES[kind]), scale_t, mean)
 
 
