@@ -284,6 +284,29 @@ def redis_server():
         yield server
 
 
+def test_full_redis_refuses_puts_but_stays_readable(redis_server):
+    """OOM under maxmemory/noeviction is Redis refusing a SET, not Redis down: reads go on, and
+    no outage is declared (it used to flap "unavailable" / "reachable again" every second)."""
+    import redis
+    raw = redis.Redis.from_url(redis_server.url)
+    with RedisTier(FP, redis_server.url) as tier:
+        assert tier.put(key(1), payload(1))
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 1024)
+        try:
+            assert not tier.put(key(2), b"x" * (1 << 20))  # refused: no room
+            assert tier.available and bytes(tier.get(key(1))) == payload(1)
+        finally:
+            raw.config_set("maxmemory", 0)
+        assert tier.put(key(2), payload(2))
+
+
+def test_bad_redis_url_parts_are_config_errors():
+    for url in ("redis://127.0.0.1:notaport", "redis://127.0.0.1:99999"):
+        with pytest.raises(ConfigError, match="--kv-redis-url"):
+            RedisTier(FP, url)
+
+
 def test_redis_round_trip_shared_between_engines(redis_server):
     import redis
     with RedisTier(FP, redis_server.url, ttl_seconds=60) as tier:

@@ -188,6 +188,30 @@ def test_redis_shared_between_two_engines(tiny, ref, redis_server):
         b.engine.close()
 
 
+def test_blocks_lost_below_are_written_again(tiny, ref, redis_server):
+    """A block the engine had written to Redis, then lost there (FLUSHALL, eviction), used to be
+    skipped on every later eviction as "already stored": its prefix stayed a miss for good."""
+    path, _ = tiny
+    redis_server_flush(redis_server)
+    prompts, filler = documents_workload(seed=12)[0], documents_workload(seed=13)[0]
+    a = LLM(path, **SMALL, kv_redis_url=redis_server.url)
+    b = LLM(path, **SMALL, kv_redis_url=redis_server.url)
+    try:
+        for _ in range(2):  # the second round runs after Redis lost everything
+            a.generate(prompts, greedy(), use_tqdm=False)
+            a.generate(filler, greedy(), use_tqdm=False)  # evict -> written down
+            a.engine.kv_tiers.flush(10)
+            if _ == 0:
+                redis_server_flush(redis_server)
+        outs = b.generate(prompts, greedy(), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == ref(p)
+        assert b.engine.get_stats().tier_hits["redis"] >= 4 * 320
+    finally:
+        a.engine.close()
+        b.engine.close()
+
+
 def test_redis_killed_mid_run_then_back(tiny, ref):
     path, _ = tiny
     server = RedisServer().start()
@@ -317,6 +341,10 @@ def test_tier_flag_errors_name_the_flag(tiny, tmp_path):
         LLM(path, dtype="float32", preemption_mode="swap")
     with pytest.raises(ConfigError, match="--kv-redis-url"):
         LLM(path, dtype="float32", kv_redis_url="localhost:6379")
+    with pytest.raises(ConfigError, match="--kv-disk-path '/proc': cannot create files there"):
+        LLM(path, dtype="float32", kv_disk_path="/proc")
+    with pytest.raises(ConfigError, match="--kv-disk-size: the disk KV tier .* cannot hold one block"):
+        LLM(path, dtype="float32", kv_disk_path=str(tmp_path / "small"), kv_disk_size="1KiB")
     held = LLM(path, dtype="float32", kv_disk_path=str(tmp_path / "busy"), kv_cache_memory=8 * 2**20)
     try:
         with pytest.raises(ConfigError, match="in use by another kvserve process"):

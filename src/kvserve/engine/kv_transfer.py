@@ -49,6 +49,7 @@ class KVTransfer:
             probe, layout = probe[:-len(self._open_layout)], layout[:-len(self._open_layout)]
         self._layout = layout
         chain.decode = self.decode
+        chain.on_missing = self._forget
         block = [t[0] for t in probe]
         chain.entry_bytes = packed_size(block)
         if self._open_layout:
@@ -77,6 +78,16 @@ class KVTransfer:
         if out.kv_restores:
             self._restore(out.kv_restores)
 
+    def _forget(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self._written.pop(key, None)
+
+    def _forget_lost(self) -> None:
+        """Keys a tier failed to store are not below (lookups that miss report theirs directly)."""
+        failed = self.chain.writer.failed if self.chain.writer is not None else None
+        while failed:
+            self._written.pop(failed.popleft(), None)
+
     def _stored_below(self, key: bytes) -> bool:
         host = self.chain.host
         if host is not None and not host.contains(key):
@@ -86,6 +97,7 @@ class KVTransfer:
     def _offload(self, offloads: list[BlockOffload]) -> None:
         start = time.perf_counter()
         chain, host, writer = self.chain, self.chain.host, self.chain.writer
+        self._forget_lost()
         todo = [o for o in offloads if o.held or not self._stored_below(o.key)]
         chain.stats.offload_skipped += len(offloads) - len(todo)
         if todo:
@@ -166,6 +178,12 @@ def build_kv_tiers(args: EngineArgs, fingerprint: EngineFingerprint, kv_cache: A
     writer = AsyncWriter(lower) if lower else None
     chain = TierChain(host, lower, writer)
     transfer = KVTransfer(kv_cache, chain)
+    for tier in chain.lower:  # a host tier too small for a block is how swap falls back to recompute
+        capacity = tier.usage().capacity_bytes
+        if tier.name == "disk" and capacity is not None and capacity < chain.entry_bytes:
+            chain.close()
+            raise ConfigError(f"--kv-disk-size: the disk KV tier ({capacity} bytes) cannot hold one block "
+                              f"({chain.entry_bytes} bytes with this model and --kv-cache-dtype); raise it")
     logger.info("KV offload tiers: %s (fingerprint %s)", ", ".join(
         f"{t.name} {t.usage().capacity_bytes / 2**30:.1f} GiB" if t.usage().capacity_bytes else t.name
         for t in chain.tiers), fingerprint.hex[:12])

@@ -52,6 +52,9 @@ class TierChain:
         # rows travel with it); a swapped-out request has at most one open block.
         self.open_extra_bytes = 0
         self.stats = ChainStats()
+        # Told the keys a lookup found in no tier (lost below: deleted, evicted, Redis flushed),
+        # so that the transfer writes such a block down again on its next eviction.
+        self.on_missing: Callable[[list[bytes]], None] | None = None
         self._held_reserved = 0  # host bytes promised to swap-outs not yet written
         self._usage: dict[str, TierUsage] = {}
         self._usage_at = float("-inf")
@@ -93,6 +96,8 @@ class TierChain:
                     self.stats.decode_failures += 1
                     logger.warning("%s tier: block %s does not fit this engine's KV layout (%s); "
                                    "recomputing it", name, keys[i].hex()[:16], exc)
+        if not host_only and self.lower and self.on_missing is not None:
+            self.on_missing([keys[i] for i, f in enumerate(found) if f is None])
         run = []
         for f in found:
             if f is None:

@@ -42,7 +42,11 @@ class DiskTier(KVTier):
                               f"pass a writable directory") from None
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise ConfigError(f"--kv-disk-path {self.path!r} is not writable by this user; pass a writable directory")
-        self._lock_fd = os.open(os.path.join(self.path, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._lock_fd = os.open(os.path.join(self.path, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # /proc, /sys: os.access says yes to root, the kernel says no
+            raise ConfigError(f"--kv-disk-path {self.path!r}: cannot create files there ({exc.strerror}); "
+                              f"pass a directory on a regular filesystem") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from kvserve.config import ConfigError
@@ -60,10 +60,13 @@ class RedisTier(KVTier):
         self.backoff_max = backoff_max
         # One immediate retry on a connection error re-dials a connection the server dropped
         # (e.g. after a Redis restart); timeouts are not retried, they already cost socket_timeout.
-        self._client = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            health_check_interval=0)
+        try:
+            self._client = redis.Redis.from_url(
+                url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                health_check_interval=0)
+        except ValueError as e:  # the client's URL parser: port or db not a number, out of range
+            raise ConfigError(f"--kv-redis-url {url!r}: {e}; use redis://host:port/db") from None
         self._state_lock = threading.Lock()
         self._down_since: float | None = None
         self._retry_at = 0.0
@@ -85,6 +88,11 @@ class RedisTier(KVTier):
                 return _UNAVAILABLE
         try:
             result = fn(*args, **kwargs)
+        except ResponseError as exc:
+            # Redis answered, refusing this command (e.g. "OOM command not allowed" when full
+            # under noeviction): the put fails, reads go on; it is not an outage.
+            logger.debug("Redis KV tier at %s refused a command: %s", self.url, exc)
+            return _UNAVAILABLE
         except (RedisError, OSError) as exc:
             self._mark_down(exc)
             return _UNAVAILABLE

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -43,6 +43,8 @@ class AsyncWriter:
         self._cond = threading.Condition()
         self._stats = WriterStats()
         self._closed = False
+        # Keys some tier did not store (full, down, refused); the engine thread drains it.
+        self.failed: deque[bytes] = deque(maxlen=1 << 17)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -102,9 +104,12 @@ class AsyncWriter:
                 self._stats.queued_bytes -= memoryview(payload).nbytes
             for tier in self.tiers:
                 try:
-                    tier.put(key, payload)
+                    stored = tier.put(key, payload)
                 except Exception:  # tiers do not raise on backend faults; this is a bug, keep writing
                     logger.exception("KV tier writer: %s tier raised on put", tier.name)
+                    stored = False
+                if not stored:
+                    self.failed.append(key)  # the engine must not count it as stored below
             with self._cond:
                 self._in_flight = None
                 self._stats.written += 1
