@@ -430,3 +430,21 @@ def test_writer_drops_when_full_instead_of_blocking():
     assert writer.pending(key(2)) is None and bytes(host.get(key(2))) == payload(2)
     writer.close()
     assert not writer.submit(key(9), payload(9)) and writer.stats().dropped == 4
+
+
+def test_entry_that_does_not_decode_is_a_miss_and_deleted(tmp_path, caplog):
+    """A checksummed entry in another layout: a miss, deleted (so it is not re-read on every
+    lookup), and logged once rather than once per block per lookup."""
+    from kvserve.kv.tiers.chain import TierChain
+    with DiskTier(FP, tmp_path, 1 << 24) as disk:
+        for i in range(3):
+            assert disk.put(key(i), payload(i))
+        chain = TierChain(None, [disk])
+
+        def decode(view):
+            raise ValueError("block layout differs")
+        chain.decode = decode
+        with caplog.at_level("WARNING"):
+            assert chain.fetch([key(0), key(1), key(2)]) == []
+        assert chain.stats.decode_failures == 3 and not any(disk.contains(key(i)) for i in range(3))
+        assert sum("does not fit this engine's KV layout" in r.message for r in caplog.records) == 1

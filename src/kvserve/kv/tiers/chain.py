@@ -92,10 +92,15 @@ class TierChain:
                     continue
                 try:
                     found[i] = Fetched(name, self.decode(memoryview(payload)))
-                except Exception as exc:  # wrong layout: recompute it, never write it
+                except Exception as exc:  # wrong layout: recompute it, never serve it
                     self.stats.decode_failures += 1
-                    logger.warning("%s tier: block %s does not fit this engine's KV layout (%s); "
-                                   "recomputing it", name, keys[i].hex()[:16], exc)
+                    if self.stats.decode_failures == 1 or self.stats.decode_failures % 1000 == 0:
+                        logger.warning("%s tier: block %s does not fit this engine's KV layout (%s); "
+                                       "recomputing it and deleting the entry (%d such blocks so far)",
+                                       name, keys[i].hex()[:16], exc, self.stats.decode_failures)
+                    tier = next((t for t in self.tiers if t.name == name), None)
+                    if tier is not None:
+                        tier.delete(keys[i])  # read once, not on every lookup
         if not host_only and self.lower and self.on_missing is not None:
             self.on_missing([keys[i] for i, f in enumerate(found) if f is None])
         run = []

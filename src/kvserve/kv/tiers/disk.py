@@ -13,13 +13,17 @@ would each evict by their own view of the size). Share blocks across servers thr
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import shutil
 import threading
 import time
 from collections import OrderedDict
 
 from kvserve.config import ConfigError
 from kvserve.kv.tiers.base import Buffer, EngineFingerprint, KVTier, TierUsage
+
+logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 _TMP_SUFFIX = ".tmp"
@@ -59,6 +63,13 @@ class DiskTier(KVTier):
         self._lock = threading.Lock()
         self._clock_ns = 0
         self._rebuild_index()
+        free = shutil.disk_usage(self.path).free + self._used
+        if free < self.capacity_bytes:
+            # The cap is the only limit the LRU knows: past the free space, writes fail (counted
+            # as errors) instead of evicting.
+            logger.warning("--kv-disk-size %.1f GiB is more than the %.1f GiB free at %s; the disk tier will "
+                           "stop storing blocks when the filesystem fills. Lower --kv-disk-size",
+                           self.capacity_bytes / 2**30, free / 2**30, self.path)
 
     def _rebuild_index(self) -> None:
         found: list[tuple[int, str, int]] = []
