@@ -155,6 +155,8 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
     wait_until(lambda: _idle(server), 10, what="blocks freed after disconnect")
     assert time.monotonic() - t0 < 10  # long before 800 tokens could have been generated
     assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted_before + 1
+    log = server.log()  # vLLM's two lines: the abort, and uvicorn's access log
+    assert "Aborted request cmpl-" in log and '"POST /v1/completions HTTP/1.1" 200' in log
 
 
 def test_non_stream_disconnect_aborts(server):

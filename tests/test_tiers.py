@@ -302,9 +302,14 @@ def test_full_redis_refuses_puts_but_stays_readable(redis_server):
 
 
 def test_bad_redis_url_parts_are_config_errors():
-    for url in ("redis://127.0.0.1:notaport", "redis://127.0.0.1:99999"):
+    for url in ("redis://127.0.0.1:notaport", "redis://127.0.0.1:99999", "redis://127.0.0.1:1/abc"):
         with pytest.raises(ConfigError, match="--kv-redis-url"):
             RedisTier(FP, url)
+
+
+def test_out_of_range_database_is_a_config_error(redis_server):
+    with pytest.raises(ConfigError, match="Redis refused the connection"):
+        RedisTier(FP, redis_server.url.rsplit("/", 1)[0] + "/99")
 
 
 def test_redis_round_trip_shared_between_engines(redis_server):
@@ -448,3 +453,24 @@ def test_entry_that_does_not_decode_is_a_miss_and_deleted(tmp_path, caplog):
             assert chain.fetch([key(0), key(1), key(2)]) == []
         assert chain.stats.decode_failures == 3 and not any(disk.contains(key(i)) for i in range(3))
         assert sum("does not fit this engine's KV layout" in r.message for r in caplog.records) == 1
+
+
+def test_full_filesystem_turns_the_disk_cap_down(tmp_path, monkeypatch):
+    """ENOSPC before --kv-disk-size is reached: the tier keeps what it has as its new cap and
+    evicts its coldest blocks from then on (it used to fail every later write)."""
+    import builtins
+    import errno as errno_mod
+
+    from kvserve.kv.tiers import disk as disk_mod
+    real_open = builtins.open
+
+    def small_fs_open(path, mode="r", *args, **kwargs):  # a filesystem with room for 3 blocks
+        if "w" in mode and sum(n.endswith(".kvb") for n in os.listdir(tmp_path)) >= 3:
+            raise OSError(errno_mod.ENOSPC, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(disk_mod, "open", small_fs_open, raising=False)
+    with DiskTier(FP, tmp_path, 100 * ENTRY) as tier:
+        assert all(tier.put(key(i), payload(i)) for i in range(5))
+        assert tier.usage().capacity_bytes < 4 * ENTRY
+        assert [tier.contains(key(i)) for i in range(5)] == [False, False, True, True, True]

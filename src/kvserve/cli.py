@@ -205,8 +205,10 @@ def _add_serve(sub) -> None:
                    "(input for `kvserve analyze`)")
     s.add_argument("--max-request-body-bytes", type=_size, default=32 * 1024**2,
                    help="larger request bodies get 413 (default: 32MiB)")
-    s.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="(default: %(default)s: one access-log line per HTTP request, as vLLM)")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access-log lines")
     s.add_argument("--root-path", default="", help="FastAPI root_path when behind a path-based proxy")
     s.add_argument("--response-role", default="assistant", help="role of the generated chat message "
                    "(default: %(default)s)")
@@ -250,7 +252,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                 args.model or "embedded SmolLM2-135M-Instruct", ", ".join(names), ns.host, ns.port,
                 llm.max_model_len, s.num_blocks_total, args.block_size, "on" if auth.enabled else "off")
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=5,
-                root_path=ns.root_path)
+                root_path=ns.root_path, access_log=not ns.disable_uvicorn_access_log)
     return 0
 
 

@@ -12,6 +12,7 @@ would each evict by their own view of the size). Share blocks across servers thr
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -142,6 +143,21 @@ class DiskTier(KVTier):
                 f.write(payload)
             os.replace(tmp, final)
             self._stamp(final)
+        except OSError as exc:
+            _unlink(tmp)
+            with self._lock:
+                self._used -= size
+                full = exc.errno == errno.ENOSPC and self._used > 0
+                if full:
+                    # The filesystem filled before the cap: the cap becomes what is stored now,
+                    # so the LRU evicts from here on instead of every write failing.
+                    logger.warning("disk KV tier: %s is full at %.1f GiB, below --kv-disk-size %.1f GiB; "
+                                   "keeping %.1f GiB from now on", self.path, self._used / 2**30,
+                                   self.capacity_bytes / 2**30, self._used / 2**30)
+                    self.capacity_bytes = self._used
+            if full and self.capacity_bytes >= size:
+                return self._store(key, header, payload)  # evicts the coldest blocks to make room
+            raise
         except BaseException:
             _unlink(tmp)
             with self._lock:

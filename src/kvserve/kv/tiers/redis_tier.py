@@ -49,6 +49,10 @@ class RedisTier(KVTier):
         if urlsplit(url).scheme not in _SCHEMES:
             raise ConfigError(f"--kv-redis-url {url!r} is not a Redis URL; use redis://host:port/db, "
                               f"rediss://... for TLS, or unix:///path/to/redis.sock")
+        parts = urlsplit(url)
+        db = parts.path.strip("/")
+        if parts.scheme != "unix" and db and not db.isdigit():
+            raise ConfigError(f"--kv-redis-url {url!r}: the database {db!r} is not a number; use redis://host:port/0")
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise ConfigError(f"the Redis tier TTL must be > 0 seconds (got {ttl_seconds}); omit it to keep "
                               f"blocks until Redis evicts them")
@@ -72,7 +76,11 @@ class RedisTier(KVTier):
         self._retry_at = 0.0
         self._backoff = backoff_initial
         self._last_usage = TierUsage(0, None, 0)
-        self._call(self._client.ping)  # find out now (and log once) if Redis is unreachable
+        try:  # find out now (and log once) if Redis is unreachable
+            self._call(self._client.ping, _refusal=True)
+        except ResponseError as e:  # it answered, and refused us: a setting to fix, not an outage
+            raise ConfigError(f"--kv-redis-url {url!r}: Redis refused the connection ({e}); check the "
+                              f"database index and credentials") from None
 
     @property
     def available(self) -> bool:
@@ -82,13 +90,16 @@ class RedisTier(KVTier):
     def redis_key(self, key: bytes) -> bytes:
         return self._key_prefix + key
 
-    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | _Unavailable:
+    def _call(self, fn: Callable[..., T], *args: Any, _refusal: bool = False, **kwargs: Any) -> T | _Unavailable:
+        """fn's result, or _UNAVAILABLE; _refusal: re-raise Redis refusing the command."""
         with self._state_lock:
             if self._down_since is not None and time.monotonic() < self._retry_at:
                 return _UNAVAILABLE
         try:
             result = fn(*args, **kwargs)
         except ResponseError as exc:
+            if _refusal:
+                raise
             # Redis answered, refusing this command (e.g. "OOM command not allowed" when full
             # under noeviction): the put fails, reads go on; it is not an outage.
             logger.debug("Redis KV tier at %s refused a command: %s", self.url, exc)
