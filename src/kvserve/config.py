@@ -44,6 +44,12 @@ def parse_size(value: str | int | float, flag: str = "size") -> int:
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # what --block-size accepts
 
 
+def check_block_size(block_size: int) -> int:
+    if block_size not in BLOCK_SIZES:
+        raise ConfigError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {block_size})")
+    return block_size
+
+
 def host_memory(field: str = "MemAvailable") -> int | None:
     """A /proc/meminfo field (MemAvailable, MemTotal) in bytes; None where it cannot be read."""
     try:
@@ -110,8 +116,7 @@ class EngineArgs:
     disable_cascade_attn: bool = False
 
     def validate(self) -> None:
-        if self.block_size not in BLOCK_SIZES:
-            raise ConfigError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {self.block_size})")
+        check_block_size(self.block_size)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})")
         if self.kv_cache_dtype == "fp8":

@@ -249,7 +249,8 @@ class ServerMetrics:
         self.request_success.labels(m, reasons[0] if reasons else "abort").inc()
         self.req_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
         self.req_gen_tokens.labels(m).observe(num_tokens)
-        self.req_max_gen_tokens.labels(m).observe(max((len(o.token_ids) for o in out.outputs), default=0))
+        longest = max((len(o.token_ids) for o in out.outputs), default=0)
+        self.req_max_gen_tokens.labels(m).observe(longest)
         self.req_params_n.labels(m).observe(len(out.outputs))
         if t.max_tokens is not None:
             self.req_params_max_tokens.labels(m).observe(t.max_tokens)
@@ -263,9 +264,8 @@ class ServerMetrics:
                 self.inference_time.labels(m).observe(max(0.0, t.last_token_time - t.first_scheduled_time))
         if t.first_token_time is not None and t.last_token_time is not None:
             self.decode_time.labels(m).observe(max(0.0, t.last_token_time - t.first_token_time))
-            per_seq = max(len(o.token_ids) for o in out.outputs) if out.outputs else 0
-            if per_seq > 1:
-                self.request_tpot.labels(m).observe((t.last_token_time - t.first_token_time) / (per_seq - 1))
+            if longest > 1:
+                self.request_tpot.labels(m).observe((t.last_token_time - t.first_token_time) / (longest - 1))
 
     def __call__(self, event: StepEvent) -> None:
         """StepListener entry point."""

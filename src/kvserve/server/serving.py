@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from kvserve.engine.async_engine import AsyncLLM, RequestStream
 from kvserve.engine.outputs import RequestError
 from kvserve.engine.sampling_params import SamplingParams, SamplingParamsError
-from kvserve.model.tokenizer import TokenizerError, chat_text_messages
+from kvserve.model.tokenizer import TokenizerError
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
 
@@ -279,15 +279,12 @@ class OpenAIServing:
     # ----- /v1/chat/completions -----
 
     def _chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        try:
-            messages = chat_text_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        except TokenizerError as e:
-            raise APIError(str(e), param="messages") from None
-        try:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:  # normalises the messages (chat_text_messages) before rendering
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                         continue_final_message=req.continue_final_message)
         except TokenizerError as e:
-            raise APIError(f"messages: {e}", param="messages") from None
+            raise APIError(str(e), param="messages") from None
         except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
             raise APIError(f"messages: the chat template rejected them: {e}", param="messages") from None
         return self.tokenizer.encode(prompt, add_special_tokens=False)

@@ -29,9 +29,10 @@ import time as _time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
-from kvserve.config import BLOCK_SIZES, ConfigError
+from kvserve.config import ConfigError, check_block_size
 from kvserve.tools.plan import KVPlan, add_model_arguments, fmt_bytes, memory_budget, normalize_dtype, plan_kv
 from kvserve.tools.presets import resolve_model
+from kvserve.tools.workload import request_log_lines
 
 REQUEST_LOG_KEYS = ("time", "request_id", "prompt_tokens", "output_tokens", "cached_tokens",
                     "prompt_token_ids", "ttft", "e2e", "finish_reason")
@@ -99,24 +100,13 @@ class RequestLog:
 
 
 def read_request_log(path: str) -> RequestLog:
-    try:
-        f = sys.stdin if path == "-" else open(path, encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"LOGFILE {path}: cannot open it ({e.strerror})") from None
     log = RequestLog(records=[])
-    with f:
+    for lineno, line in request_log_lines(path, "LOGFILE"):
         try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    log.records.append(parse_record(json.loads(line)))
-                except (ValueError, json.JSONDecodeError) as e:  # a torn last line or a foreign record
-                    log.skipped_lines += 1
-                    log.first_skip = log.first_skip or f"line {lineno}: {e}"
-        except UnicodeDecodeError:
-            raise ConfigError(f"LOGFILE {path} is not UTF-8 text; give a JSONL request log "
-                              "(kvserve serve --request-log writes one)") from None
+            log.records.append(parse_record(json.loads(line)))
+        except (ValueError, json.JSONDecodeError) as e:  # a torn last line or a foreign record
+            log.skipped_lines += 1
+            log.first_skip = log.first_skip or f"line {lineno}: {e}"
     if not log.records:
         why = f" ({log.skipped_lines} lines skipped; first: {log.first_skip})" if log.skipped_lines else ""
         raise ConfigError(f"LOGFILE {path}: no usable request records{why}; each line must be a JSON object "
@@ -317,8 +307,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.block_size not in BLOCK_SIZES:
-            raise ConfigError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {args.block_size})")
+        check_block_size(args.block_size)
         if args.max_model_len is not None and args.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1 (got {args.max_model_len})")
         if args.headroom < 0:

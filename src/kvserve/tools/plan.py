@@ -13,7 +13,8 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
-from kvserve.config import BLOCK_SIZES, DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, ConfigError, ModelConfig, parse_size
+from kvserve.config import (DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, ConfigError, ModelConfig, check_block_size,
+                             parse_size)
 from kvserve.tools.presets import ModelSpec, count_parameters, resolve_model
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -50,8 +51,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, m
 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {kv_cache_dtype!r})")
-    if block_size not in BLOCK_SIZES:
-        raise ConfigError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {block_size})")
+    check_block_size(block_size)
     rank_cfg = replace(cfg, num_key_value_heads=kv_heads_per_gpu(cfg, tensor_parallel_size))
     try:
         return kv_cache_bytes_per_block(rank_cfg, block_size, kv_cache_dtype, getattr(torch, normalize_dtype(model_dtype)))

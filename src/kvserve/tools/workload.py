@@ -184,6 +184,23 @@ def synthetic_trace(spec: WorkloadSpec) -> Trace:
     return Trace(convs, f"{describe(spec)}, {spec.num_conversations} conversations")
 
 
+def request_log_lines(path: str, what: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of the non-blank lines of a JSONL request log (`-`: stdin); `what`
+    names it in errors (LOGFILE, --trace)."""
+    try:
+        f = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot open it ({e.strerror})") from None
+    with f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, line
+        except UnicodeDecodeError:
+            raise ConfigError(f"{what} {path} is not UTF-8 text; give a JSONL request log "
+                              "(kvserve serve --request-log writes one)") from None
+
+
 def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, prefix_len: int = 0,
                            seed: int = 0, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
                            default_output_len: int = 128) -> Trace:
@@ -196,28 +213,17 @@ def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, pr
     """
     rng = random.Random(seed)
     prefix = _tokens(rng, prefix_len, token_range)
-    try:
-        f = sys.stdin if path == "-" else open(path, encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"--trace {path}: cannot open it ({e.strerror})") from None
     rows, skipped = [], 0
-    with f:
+    for _, line in request_log_lines(path, "--trace"):
         try:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                    prompt = obj["prompt_tokens"]
-                    n = len(prompt) if isinstance(prompt, list) else int(prompt)
-                    if n < 1:
-                        raise ValueError
-                    rows.append(obj)
-                except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-                    skipped += 1
-        except UnicodeDecodeError:
-            raise ConfigError(f"--trace {path} is not UTF-8 text; give a JSONL request log "
-                              "(kvserve serve --request-log writes one)") from None
+            obj = json.loads(line)
+            prompt = obj["prompt_tokens"]
+            n = len(prompt) if isinstance(prompt, list) else int(prompt)
+            if n < 1:
+                raise ValueError
+            rows.append(obj)
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            skipped += 1
     if not rows:
         raise ConfigError(f"--trace {path}: no usable request records ({skipped} skipped); each line must be a "
                           "JSON object with prompt_tokens (kvserve serve --request-log writes them)")

@@ -75,14 +75,15 @@ class TierChain:
             return []
         start = time.perf_counter()
         found: list[Fetched | None] = [None] * len(keys)
-        sources: list[tuple[str, Callable[[list[bytes]], list]]] = []
+        # (name, batched read, the tier an undecodable entry is deleted from: none for the queue)
+        sources: list[tuple[str, Callable[[list[bytes]], list], KVTier | None]] = []
         if self.host is not None:
-            sources.append(("host", self.host.get_many))
+            sources.append(("host", self.host.get_many, self.host))
         if not host_only:
             if self.writer is not None and self.lower:
-                sources.append((self.lower[0].name, lambda ks: [self.writer.pending(k) for k in ks]))
-            sources.extend((t.name, t.get_many) for t in self.lower)
-        for name, get_many in sources:
+                sources.append((self.lower[0].name, lambda ks: [self.writer.pending(k) for k in ks], None))
+            sources.extend((t.name, t.get_many, t) for t in self.lower)
+        for name, get_many, tier in sources:
             idx = [i for i, f in enumerate(found) if f is None]
             if not idx:
                 break
@@ -98,7 +99,6 @@ class TierChain:
                         logger.warning("%s tier: block %s does not fit this engine's KV layout (%s); "
                                        "recomputing it and deleting the entry (%d such blocks so far)",
                                        name, keys[i].hex()[:16], exc, self.stats.decode_failures)
-                    tier = next((t for t in self.tiers if t.name == name), None)
                     if tier is not None:
                         tier.delete(keys[i])  # read once, not on every lookup
         if not host_only and self.lower and self.on_missing is not None:

@@ -46,10 +46,10 @@ class RedisTier(KVTier):
     def __init__(self, fingerprint: EngineFingerprint, url: str, *, socket_timeout: float = 0.25,
                  ttl_seconds: float | None = None, key_prefix: bytes = b"kvserve:",
                  backoff_initial: float = 0.5, backoff_max: float = 30.0):
-        if urlsplit(url).scheme not in _SCHEMES:
+        parts = urlsplit(url)
+        if parts.scheme not in _SCHEMES:
             raise ConfigError(f"--kv-redis-url {url!r} is not a Redis URL; use redis://host:port/db, "
                               f"rediss://... for TLS, or unix:///path/to/redis.sock")
-        parts = urlsplit(url)
         db = parts.path.strip("/")
         if parts.scheme != "unix" and db and not db.isdigit():
             raise ConfigError(f"--kv-redis-url {url!r}: the database {db!r} is not a number; use redis://host:port/0")
