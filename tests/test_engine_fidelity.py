@@ -138,6 +138,18 @@ def test_errors_name_the_problem(tiny, tmp_path):
     assert not llm.engine.has_unfinished_requests()
     again = llm.generate([[1, 2, 3], [4, 5]], greedy(4), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in again] == [4, 4]
+    # vLLM's prompt dicts (TokensPrompt / TextPrompt) give the same tokens as the bare forms.
+    as_dicts = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}], greedy(4),
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in as_dicts] == [o.outputs[0].token_ids for o in again]
+    assert as_dicts[0].prompt_token_ids == [1, 2, 3]
+    single = llm.generate({"prompt_token_ids": [1, 2, 3]}, greedy(4), use_tqdm=False)
+    assert single[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+    with pytest.raises(RequestError, match=r"prompt 1 of 2: prompt dict keys \['multi_modal_data'\]"):
+        llm.generate([[1], {"prompt_token_ids": [2], "multi_modal_data": {}}], greedy(4), use_tqdm=False)
+    with pytest.raises(RequestError, match="exactly one of 'prompt'"):
+        llm.generate({"prompt": "a", "prompt_token_ids": [1]}, greedy(4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
     # max_tokens past the context is capped there (finish reason "length"), as vLLM's engine does.
     long = llm.generate([[1] * 60], greedy(30), use_tqdm=False)[0].outputs[0]
     assert len(long.token_ids) == 4 and long.finish_reason == "length"

@@ -15,8 +15,25 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestError, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# As vLLM: a string, token ids, or its TextPrompt / TokensPrompt dicts.
+Prompt = str | list[int] | dict
 Message = dict[str, str]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    """vLLM's `{"prompt": text}` and `{"prompt_token_ids": ids}` to what the engine takes."""
+    if not isinstance(prompt, dict):
+        return prompt
+    given = [k for k in _PROMPT_KEYS if k in prompt]
+    other = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if other:
+        raise RequestError(f"prompt dict keys {other} are not supported; give 'prompt' (text) or "
+                           f"'prompt_token_ids'", "prompt")
+    if len(given) != 1:
+        raise RequestError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'",
+                           "prompt")
+    return prompt[given[0]]
 
 
 class LLM:
@@ -35,8 +52,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Prompts as strings or token-id lists; results in the order given."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Prompts as strings, token-id lists or vLLM's prompt dicts; results in the order given."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         if sampling_params is None:
@@ -49,7 +66,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
             try:
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, _prompt_input(prompt), p, priority=priority[i] if priority else 0)
             except RequestError as e:
                 # All or nothing, as vLLM: the call's requests added so far must not stay queued.
                 self.engine.abort_request(ids)

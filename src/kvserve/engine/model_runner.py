@@ -15,6 +15,7 @@ from kvserve.config import ModelConfig
 from kvserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvserve.model.attention.base import AttentionMetadata, build_attention_metadata
 from kvserve.model.attention.triton_backend import select_attention_backend
+from kvserve.model.host_alloc import tune_malloc_for_inference
 from kvserve.model.kv_cache import create_kv_cache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.sampler import Sampler, SamplingRow
@@ -33,6 +34,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        if self.device.type == "cpu":
+            tune_malloc_for_inference()
         backend = select_attention_backend(attention_backend, model_config, self.device, cascade=cascade_attn)
         self.model = LlamaModel(model_config, weights, dtype, self.device, attention_backend=backend)
         self.kv_cache = create_kv_cache(model_config, num_blocks=num_blocks, block_size=block_size,

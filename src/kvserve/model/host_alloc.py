@@ -1,0 +1,58 @@
+"""glibc malloc kept from handing a CPU forward pass freshly mapped pages every step.
+
+A prefill step allocates tens of MB of activations per layer (a 2,048-token chunk's gate/up
+output alone is 12.6 MB) and frees them a few ops later. glibc serves blocks that large with
+mmap, or trims them off the top of the heap when freed, so the next layer gets new pages and
+the kernel faults and zeroes every one of them: ~64,000 minor faults per 2,048-token step of
+SmolLM2, and 35-45 % of its time (bench/NOTES.md, session 7). vLLM's CPU docs answer this by
+preloading tcmalloc; the same effect comes from glibc itself when large blocks stay on the heap
+and the heap is not trimmed, which needs no preload or re-exec and works on any glibc system.
+
+The heap then keeps its high-water mark (a few hundred MB for the largest step) instead of
+returning it to the OS between steps: the memory is in use again on the next step anyway.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+# mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+# glibc caps M_MMAP_THRESHOLD at 32 MiB on 64-bit (HEAP_MAX_SIZE / 2): larger blocks are mapped
+# whatever is asked, so the cap itself is the setting.
+_MMAP_THRESHOLD = 32 << 20
+_TRIM_THRESHOLD = 1 << 30
+
+_tuned: bool | None = None
+
+
+def tune_malloc_for_inference() -> bool:
+    """Keep large blocks on the heap and the heap untrimmed; True if glibc took the settings.
+    Idempotent. `KVSERVE_MALLOC_TUNING=0` leaves malloc alone (for A/B runs, or when another
+    allocator is preloaded)."""
+    global _tuned
+    if _tuned is not None:
+        return _tuned
+    _tuned = False
+    if os.environ.get("KVSERVE_MALLOC_TUNING", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # present in glibc only; musl and macOS have no such knobs
+    except (OSError, AttributeError):
+        log.debug("not glibc: malloc left as it is")
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _tuned = all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)))
+    if not _tuned:
+        log.warning("glibc refused the malloc settings for inference; large activations will be "
+                    "page-faulted afresh every step (expect slower CPU prefill)")
+    return _tuned
