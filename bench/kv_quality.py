@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     text = text_metrics(model, cfg, variants, ids, args.block_size, args.chunk)
     print(f"text metrics: {time.time() - t:.0f}s", flush=True)
 
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                for p in PROMPTS[:args.num_prompts]]
     gens = {}
     for v in variants:

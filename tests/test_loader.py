@@ -181,7 +181,8 @@ def test_tiny_checkpoint_loads_with_hf_config_and_weights(tiny_dir, kind):
     assert set(loaded.weights) == set(expected) == set(expected_weight_names(c))
     for name, w in expected.items():
         assert torch.equal(loaded.weights[name], w), name
-    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("assistant\n")
+    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                tokenize=False).endswith("assistant\n")
 
 
 def test_sharded_checkpoint_reads_every_shard(tiny_dir):
@@ -217,6 +218,10 @@ def test_generation_config_eos_ids_are_merged(tiny_dir, tmp_path):
     loaded = load_model(str(d))
     assert loaded.config.eos_token_ids == [2, 0]
     assert loaded.tokenizer.eos_token_ids == [2, 0]
+    assert loaded.config.sampling_defaults == {}  # none of vLLM's sampling keys in this file
+    (d / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.6, "top_p": 0.9, "do_sample": True,
+                                                          "max_new_tokens": 5, "num_beams": 1}))
+    assert load_model(str(d)).config.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 5}
 
 
 def test_tied_checkpoint_with_stored_lm_head_drops_it(tiny_dir, tmp_path):

@@ -165,6 +165,21 @@ def test_completion_request_accepts_openai_and_vllm_fields():
     assert r.prompt == [[1, 2], [3]] and r.temperature == 0.0 and r.top_k == 5
 
 
+def test_unset_request_fields_take_the_generation_config_defaults():
+    from types import SimpleNamespace
+    from kvserve.server.serving import OpenAIServing, ServingConfig
+    llm = SimpleNamespace(tokenizer=None, max_model_len=100,
+                          sampling_defaults={"temperature": 0.6, "top_p": 0.9, "max_tokens": 8})
+    serving = OpenAIServing(llm, ServingConfig(served_model_names=["m"]))
+    unset = serving._sampling_params(CompletionRequest.model_validate({"prompt": "x"}), 50, None)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.6, 0.9, 0, 8)
+    given = serving._sampling_params(CompletionRequest.model_validate(
+        {"prompt": "x", "temperature": 0, "top_p": 1.0, "max_tokens": 30}), 30, None)
+    assert (given.temperature, given.top_p, given.max_tokens) == (0.0, 1.0, 8)  # max_new_tokens caps, as vLLM
+    llm.sampling_defaults = {}
+    assert serving._sampling_params(CompletionRequest.model_validate({"prompt": "x"}), 50, None).temperature == 1.0
+
+
 def test_chat_request_needs_messages():
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"messages": []})

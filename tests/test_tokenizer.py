@@ -138,7 +138,7 @@ CONVERSATIONS = [
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_hf(ours, hf, conversation, add_generation_prompt):
-    text = ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    text = ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
     assert text == hf.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
     ids = ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
     assert ids == ours.encode(text, add_special_tokens=False)
@@ -154,7 +154,8 @@ def test_chat_template_trim_blocks_and_raise_exception():
         "{% endfor %}"))
     # trim_blocks/lstrip_blocks drop the newline after each block tag and the indent before it;
     # tojson leaves HTML characters alone (jinja's builtin would write \u003c)
-    assert tok.apply_chat_template([{"role": "user", "content": "<b>&"}]) == '"<b>&"<|im_end|>\n'
+    assert tok.apply_chat_template([{"role": "user", "content": "<b>&"}], add_generation_prompt=True,
+                                   tokenize=False) == '"<b>&"<|im_end|>\n'
     with pytest.raises(TokenizerError, match="tool messages are not supported"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
@@ -181,6 +182,9 @@ def test_saved_tokenizer_json_reloads_identically(ours, tmp_path):
     assert reloaded.eos_token_ids == ours.eos_token_ids
     conversation = CONVERSATIONS[2]
     assert reloaded.apply_chat_template(conversation) == ours.apply_chat_template(conversation)
+    # transformers' defaults: token ids, no generation prompt
+    assert ours.apply_chat_template(conversation) == ours.encode(
+        ours.apply_chat_template(conversation, tokenize=False), add_special_tokens=False)
 
 
 def test_add_bos_token_is_applied_once(tmp_path):

@@ -81,7 +81,8 @@ def test_chat_messages_are_normalised_or_refused():
             chat_text_messages(messages)
 
 
-@pytest.mark.parametrize("argv", [["-tp", "1"], ["--generation-config", "vllm"], ["--tokenizer-mode", "auto"],
+@pytest.mark.parametrize("argv", [["-tp", "1"], ["--generation-config", "vllm"], ["--generation-config", "auto"],
+                                  ["--tokenizer-mode", "auto"],
                                   ["--distributed-executor-backend", "mp"], ["--max-seq-len-to-capture", "8192"],
                                   ["--disable-frontend-multiprocessing"], ["--root-path", "/x"],
                                   ["--allowed-origins", '["http://a"]'], ["--response-role", "bot"]])
@@ -91,7 +92,7 @@ def test_vllm_serve_flags_are_accepted(argv):
 
 
 @pytest.mark.parametrize("argv, message", [(["-tp", "2"], "tensor parallelism"),
-                                           (["--generation-config", "auto"], "generation_config.json"),
+                                           (["--generation-config", "/some/dir"], "invalid choice"),
                                            (["--tokenizer-mode", "slow"], "fast tokenizer"),
                                            (["--distributed-executor-backend", "ray"], "no Ray backend"),
                                            (["--allowed-origins", "*"], "JSON list")])

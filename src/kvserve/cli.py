@@ -14,8 +14,8 @@ import os
 import sys
 import typing
 
-from kvserve.config import (DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError,
-                            EngineArgs, parse_size)
+from kvserve.config import (DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, VLLM_NOOP,
+                            VLLM_NOOP_VALUE, VLLM_REFUSED, ConfigError, EngineArgs, parse_size)
 
 logger = logging.getLogger("kvserve")
 
@@ -29,7 +29,7 @@ _GROUPS = {
 }
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
             "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda"),
-            "attention_backend": ("auto", "torch", "triton")}
+            "attention_backend": ("auto", "torch", "triton"), "generation_config": ("auto", "vllm")}
 _HELP = {
     "model": "HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory when it differs from the model's",
@@ -37,6 +37,8 @@ _HELP = {
     "device": "where the model runs",
     "seed": "engine-wide random seed (per-request `seed` overrides it)",
     "attention_backend": "attention kernels: torch (portable) or triton (CUDA)",
+    "generation_config": "auto: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or "
+                         "max_tokens unset take the model's generation_config.json values, as vLLM; vllm: ignore them",
     "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
                             "per group (cascade attention, CPU bf16 kernel; on by default)",
     "served_model_name": "name(s) clients send as `model` (default: the model path)",
@@ -63,43 +65,12 @@ _HELP = {
     "disable_log_stats": "no periodic stats log line",
     "max_logprobs": "largest logprobs / top_logprobs a request may ask for",
 }
-# vLLM flags kvserve does not implement: flag -> (accepted value or None, why). A flag whose field is
-# added to EngineArgs later is generated from it instead, so an entry here can never shadow a real one.
-_REFUSED = {
-    "tensor_parallel_size": ("1", "kvserve runs one device per process; tensor parallelism is not implemented"),
-    "pipeline_parallel_size": ("1", "pipeline parallelism is not implemented"),
-    "data_parallel_size": ("1", "data parallelism is not implemented; run one server per device"),
-    "quantization": (None, "weight quantization methods are not implemented (GGUF weights are dequantized "
-                           "at load; use --kv-cache-dtype to quantize the KV cache)"),
-    "enable_lora": (None, "LoRA adapters are not implemented"),
-    "lora_modules": (None, "LoRA adapters are not implemented"),
-    "speculative_config": (None, "speculative decoding is not implemented"),
-    "kv_transfer_config": (None, "KV transfer / disaggregated prefill is not implemented"),
-    "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
-    "load_format": (None, "only safetensors directories and GGUF files are loaded"),
-    "chat_template": (None, "custom chat templates are not implemented; the model's own template is used"),
-    "tool_call_parser": (None, "tool calling is not implemented"),
-    "enable_auto_tool_choice": (None, "tool calling is not implemented"),
-    "reasoning_parser": (None, "reasoning parsers are not implemented"),
-    "guided_decoding_backend": (None, "structured output is not implemented"),
-    "revision": (None, "hub revisions are not supported; pass a local model directory"),
-    "generation_config": ("vllm", "a model's generation_config.json defaults are not applied; requests start "
-                                  "from vLLM's own sampling defaults, which is --generation-config vllm"),
-    "tokenizer_mode": ("auto", "the model's fast tokenizer (tokenizer.json or GGUF metadata) is always used"),
-    "distributed_executor_backend": (("mp", "uni"), "kvserve runs in one process; there is no Ray backend"),
-}
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
-# Flags that change nothing here: name -> why (switches), and the same for flags that take a value.
-_NOOP = {"enforce_eager": "kvserve never captures CUDA graphs, so it always runs eagerly",
-         "trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
-         "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
-         "disable_frontend_multiprocessing": "the HTTP server and the engine share one process already"}
-_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve captures no CUDA graphs"}
 
 
 class _Refuse(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        allowed, why = _REFUSED[self.dest]
+        allowed, why = VLLM_REFUSED[self.dest]
         allowed = (allowed,) if isinstance(allowed, str) else allowed or ()
         if str(values) not in allowed:
             parser.error(f"{option_string}{'' if values is None else ' ' + str(values)} is not supported: {why}")
@@ -107,7 +78,7 @@ class _Refuse(argparse.Action):
 
 class _Noop(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        logger.info("%s: accepted, nothing to do (%s)", option_string, {**_NOOP, **_NOOP_VALUE}[self.dest])
+        logger.info("%s: accepted, nothing to do (%s)", option_string, {**VLLM_NOOP, **VLLM_NOOP_VALUE}[self.dest])
 
 
 def _json_list(value: str) -> list[str]:
@@ -161,17 +132,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(_flag(f.name), **kwargs)
     refused = parser.add_argument_group("vLLM flags kvserve refuses (an error names the reason)")
-    for name, (allowed, why) in _REFUSED.items():
+    for name, (allowed, why) in VLLM_REFUSED.items():
         if name not in hints:
             only = " or ".join((allowed,) if isinstance(allowed, str) else allowed or ())
             refused.add_argument(_flag(name), *_ALIASES.get(name, []), dest=name, nargs="?", action=_Refuse,
                                  default=argparse.SUPPRESS, metavar="X",
                                  help=why + (f" (only {only} is accepted)" if only else ""))
     noop = parser.add_argument_group("vLLM flags accepted with nothing to do")
-    for name, why in _NOOP.items():
+    for name, why in VLLM_NOOP.items():
         if name not in hints:
             noop.add_argument(_flag(name), dest=name, nargs=0, action=_Noop, default=argparse.SUPPRESS, help=why)
-    for name, why in _NOOP_VALUE.items():
+    for name, why in VLLM_NOOP_VALUE.items():
         noop.add_argument(_flag(name), dest=name, action=_Noop, default=argparse.SUPPRESS, metavar="X", help=why)
 
 
@@ -323,8 +294,8 @@ def _run_generate(ns) -> int:
     engine, params = _engine_and_params(ns)
     prompt = ns.prompt
     if ns.use_chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True)
     _report(_stream(engine, "generate-0", prompt, params))
     return 0
 
@@ -347,7 +318,7 @@ def _run_chat(ns) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         try:
             final = _stream(engine, f"chat-{turn}", ids, params)
         except ConfigError as e:  # the conversation outgrew the context
@@ -417,7 +388,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     so `kvserve plan` and friends do not import torch; a module that raised is loaded by then."""
     kinds: list[type[BaseException]] = [ConfigError]
     for module, name in (("kvserve.model.loader", "ModelLoadError"), ("kvserve.model.tokenizer", "TokenizerError"),
-                         ("kvserve.engine.outputs", "RequestError"), ("kvserve.kv.quant", "QuantError")):
+                         ("kvserve.engine.outputs", "RequestError"), ("kvserve.kv.quant", "QuantError"),
+                         ("kvserve.engine.sampling_params", "SamplingParamsError")):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))
     return tuple(kinds)

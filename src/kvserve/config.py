@@ -28,6 +28,64 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
 
 
+# vLLM arguments kvserve does not implement: name -> (accepted value(s) or None, why); the CLI's flags
+# and `LLM(**kwargs)` both take them. A flag whose field is
+# added to EngineArgs later is generated from it instead, so an entry here can never shadow a real one.
+VLLM_REFUSED = {
+    "tensor_parallel_size": ("1", "kvserve runs one device per process; tensor parallelism is not implemented"),
+    "pipeline_parallel_size": ("1", "pipeline parallelism is not implemented"),
+    "data_parallel_size": ("1", "data parallelism is not implemented; run one server per device"),
+    "quantization": (None, "weight quantization methods are not implemented (GGUF weights are dequantized "
+                           "at load; use --kv-cache-dtype to quantize the KV cache)"),
+    "enable_lora": (None, "LoRA adapters are not implemented"),
+    "lora_modules": (None, "LoRA adapters are not implemented"),
+    "speculative_config": (None, "speculative decoding is not implemented"),
+    "kv_transfer_config": (None, "KV transfer / disaggregated prefill is not implemented"),
+    "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
+    "load_format": (None, "only safetensors directories and GGUF files are loaded"),
+    "chat_template": (None, "custom chat templates are not implemented; the model's own template is used"),
+    "tool_call_parser": (None, "tool calling is not implemented"),
+    "enable_auto_tool_choice": (None, "tool calling is not implemented"),
+    "reasoning_parser": (None, "reasoning parsers are not implemented"),
+    "guided_decoding_backend": (None, "structured output is not implemented"),
+    "revision": (None, "hub revisions are not supported; pass a local model directory"),
+    "tokenizer_mode": ("auto", "the model's fast tokenizer (tokenizer.json or GGUF metadata) is always used"),
+    "distributed_executor_backend": (("mp", "uni"), "kvserve runs in one process; there is no Ray backend"),
+}
+# Flags that change nothing here: name -> why (switches), and the same for flags that take a value.
+VLLM_NOOP = {"enforce_eager": "kvserve never captures CUDA graphs, so it always runs eagerly",
+         "trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
+         "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
+         "disable_frontend_multiprocessing": "the HTTP server and the engine share one process already"}
+VLLM_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve captures no CUDA graphs"}
+# Offline `LLM(...)` arguments of vLLM's with nothing to do here (value ignored).
+VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "one device per process: no all-reduce",
+                     "compilation_config": "kvserve does not run torch.compile",
+                     "download_dir": "models are local paths; nothing is downloaded"}
+
+
+def vllm_only_args(kwargs: dict) -> list[str]:
+    """Check vLLM arguments that are not EngineArgs fields (`LLM(trust_remote_code=True)`): the
+    no-ops are accepted, the unimplemented refused unless given their harmless value. Returns the
+    names accepted, to be dropped; raises ConfigError for the rest."""
+    import logging
+    log = logging.getLogger("kvserve")
+    accepted = []
+    for name, value in kwargs.items():
+        why = {**VLLM_NOOP, **VLLM_NOOP_VALUE, **VLLM_NOOP_OFFLINE}.get(name)
+        if why is not None:
+            log.info("%s: accepted, nothing to do (%s)", name, why)
+            accepted.append(name)
+        elif name in VLLM_REFUSED:
+            allowed, why = VLLM_REFUSED[name]
+            allowed = (allowed,) if isinstance(allowed, str) else allowed or ()
+            if value is not None and value is not False and str(value) not in allowed:
+                raise ConfigError(f"{name}={value!r} is not supported: {why}")
+            accepted.append(name)
+    return accepted
+
+
+
 def parse_size(value: str | int | float, flag: str = "size") -> int:
     """'4GiB', '512MB', '1e9' or a plain number of bytes -> bytes."""
     if isinstance(value, (int, float)):
@@ -110,6 +168,10 @@ class EngineArgs:
     check_integrity: bool = False  # verify block accounting after every step (slow)
     disable_log_stats: bool = False
     max_logprobs: int = 20
+    # vLLM's default: the model's generation_config.json sampling values (temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_new_tokens) are the defaults of requests that leave them
+    # unset; "vllm" ignores them.
+    generation_config: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     # vLLM's flag: attend shared prefixes per sequence instead of once per group of decodes
     # (kvserve's cascade runs in the CPU bf16 kernel; see model/attention/cascade.py).
@@ -122,6 +184,10 @@ class EngineArgs:
         if self.kv_cache_dtype == "fp8":
             # vLLM's alias: one spelling, so block hashes and tier keys of the same format agree.
             self.kv_cache_dtype = "fp8_e4m3"
+        if self.generation_config not in ("auto", "vllm"):
+            raise ConfigError(f"--generation-config must be 'auto' (the model's generation_config.json) or "
+                              f"'vllm' (vLLM's defaults); a separate folder is not supported "
+                              f"(got {self.generation_config!r})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)} (got {self.scheduling_policy!r})")
         if self.preemption_mode is None:
@@ -228,6 +294,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "model"
+    # Sampling defaults from generation_config.json, as SamplingParams fields (max_new_tokens ->
+    # max_tokens); applied unless --generation-config vllm.
+    sampling_defaults: dict = field(default_factory=dict)
 
     def kv_bytes_per_token(self, element_bytes: float) -> float:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_bytes

@@ -29,8 +29,9 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.stop_reason: str | None = None
 
-    def add_token(self, token_id: int) -> bool:
-        """Feed one generated token. Returns True if a stop string ended the output."""
+    def add_token(self, token_id: int, stop_strings: bool = True) -> bool:
+        """Feed one generated token. Returns True if a stop string ended the output. With
+        `stop_strings` False (the request is still within min_tokens, as vLLM) none is looked for."""
         self._ids.append(token_id)
         prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset],
                                        skip_special_tokens=self.skip_special_tokens)
@@ -43,7 +44,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         old_len = len(self.text)
         self.text += new_text
-        return self._check_stop(old_len)
+        return stop_strings and self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> bool:
         if not self.stop:

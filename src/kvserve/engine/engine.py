@@ -11,7 +11,9 @@ with that seed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import numbers
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from typing import Iterable
 
 from kvserve.config import ConfigError, EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.outputs import (CompletionOutput, EngineStats, LogprobEntry, RequestError,
+from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError,
                                     RequestMetrics, RequestOutput)
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -39,9 +41,10 @@ class _Sequence:
     req: Request
     index: int
     detok: IncrementalDetokenizer
-    logprobs: list[LogprobEntry] | None
+    logprobs: list[dict[int, Logprob]] | None
     new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[LogprobEntry] = field(default_factory=list)
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
     reported_finish: bool = False
 
 
@@ -64,6 +67,11 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.runner = setup.runner
         self.max_model_len = setup.max_model_len
+        self.sampling_defaults = self._sampling_defaults(args)
+        # A token's own text, for logprobs' decoded_token (top-k alternatives repeat a lot).
+        tokenizer = self.tokenizer  # not self: no reference cycle through the cache
+        self._token_text = functools.lru_cache(maxsize=65536)(
+            lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self.kv_tiers, self.kv_transfer = None, None
         if args.has_kv_tiers:
             if setup.fingerprint is None:
@@ -89,6 +97,19 @@ class LLMEngine:
         self.num_steps = 0  # forwards run, and the tokens the last one computed (vllm:iteration_tokens_total)
         self.last_step_tokens = 0
 
+    def _sampling_defaults(self, args: EngineArgs) -> dict:
+        """The model's generation_config.json sampling values, under --generation-config auto."""
+        defaults = self.model_config.sampling_defaults if args.generation_config == "auto" else {}
+        if defaults:
+            try:
+                SamplingParams(**defaults)
+            except (SamplingParamsError, TypeError) as e:
+                raise ConfigError(f"the model's generation_config.json gives sampling defaults kvserve cannot "
+                                  f"use ({e}); fix the file or start with --generation-config vllm") from None
+            logger.info("Default sampling parameters have been overridden by the model's generation config: %s "
+                        "(--generation-config vllm ignores them)", defaults)
+        return dict(defaults)
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
@@ -111,7 +132,7 @@ class LLMEngine:
         seqs: list[_Sequence] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            p = dataclasses.replace(params, n=1, seed=seed)
+            p = dataclasses.replace(params, n=1, seed=seed, best_of=None)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, prompt_ids, p, eos_token_ids=eos, arrival_time=arrival,
                           priority=priority, cache_salt=cache_salt,
@@ -137,7 +158,8 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
-            ids = list(prompt)
+            # numpy integers (a token array's items) are token ids too
+            ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
             text = None
             if not ids:
                 raise RequestError("prompt is empty; send at least one token", "prompt")
@@ -214,10 +236,16 @@ class LLMEngine:
             self.generation_tokens_total += 1
             seq.new_token_ids.append(tok.token_id)
             if seq.logprobs is not None:
-                entry = LogprobEntry(tok.token_id, tok.logprob, dict(tok.top_logprobs or {}))
+                entry = self._logprobs_entry(tok)
                 seq.logprobs.append(entry)
                 seq.new_logprobs.append(entry)
-            if seq.detok.add_token(tok.token_id):
+                seq.cumulative_logprob += tok.logprob
+            # A stop token (EOS, stop_token_ids) ends the output without its text, unless
+            # include_stop_str_in_output; it stays in token_ids, as vLLM does.
+            p = req.sampling_params
+            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
+            if (not stopped_by_token or p.include_stop_str_in_output) and seq.detok.add_token(
+                    tok.token_id, stop_strings=req.num_output_tokens > p.min_tokens) and not stopped_by_token:
                 req.stop_reason = seq.detok.stop_reason
                 if req.is_finished:  # the same token also hit a length limit: the stop string wins
                     req.status = RequestStatus.FINISHED_STOPPED
@@ -229,17 +257,28 @@ class LLMEngine:
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
         return [self._make_output(g) for g in groups.values()]
 
+    def _logprobs_entry(self, tok) -> dict[int, Logprob]:
+        """vLLM's per-token dict: the sampled token first, then the top-k by rank."""
+        text = self._token_text
+        entry = {tok.token_id: Logprob(tok.logprob, tok.rank, text(tok.token_id))}
+        for rank, (t, lp) in enumerate((tok.top_logprobs or {}).items(), start=1):
+            if t not in entry:
+                entry[t] = Logprob(lp, rank, text(t))
+        return entry
+
     def _make_output(self, group: _Group) -> RequestOutput:
         outputs = []
         for s in group.seqs:
             r = s.req
             finished = r.is_finished
             delta = s.detok.take_delta(finished)
+            with_lp = s.logprobs is not None
             outputs.append(CompletionOutput(
                 index=s.index, text=s.detok.emitted_text, token_ids=list(r.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if with_lp else None, logprobs=s.logprobs,
+                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
                 delta_text=delta, delta_token_ids=s.new_token_ids,
-                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason, logprobs=s.logprobs,
-                delta_logprobs=s.new_logprobs if s.logprobs is not None else None))
+                delta_logprobs=s.new_logprobs if with_lp else None))
             s.new_token_ids = []
             s.new_logprobs = []
         first = group.seqs[0].req

@@ -8,9 +8,11 @@
 from __future__ import annotations
 
 import itertools
+import numbers
+import random
 from typing import Sequence
 
-from kvserve.config import EngineArgs
+from kvserve.config import EngineArgs, vllm_only_args
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestError, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -33,35 +35,88 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
     if len(given) != 1:
         raise RequestError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'",
                            "prompt")
-    return prompt[given[0]]
+    value = prompt[given[0]]
+    if given[0] == "prompt_token_ids" and isinstance(value, str):
+        raise RequestError("prompt_token_ids is a string; give token ids (apply_chat_template returns them "
+                           "unless tokenize=False), or the text as 'prompt'", "prompt")
+    return value
+
+
+# vLLM's dtype spellings beyond EngineArgs' (which takes auto / float32 / bfloat16 / float16).
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+
+
+def _engine_args(model: str | None, kwargs: dict) -> EngineArgs:
+    kwargs = dict(kwargs)
+    for name in vllm_only_args({k: v for k, v in kwargs.items() if k not in EngineArgs.field_names()}):
+        del kwargs[name]
+    unknown = set(kwargs) - set(EngineArgs.field_names())
+    if unknown:
+        raise TypeError(f"LLM() got unknown engine arguments {sorted(unknown)}; "
+                        f"valid ones are the fields of kvserve.EngineArgs")
+    dtype = kwargs.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):  # torch.float16 and friends
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype is not None:
+        kwargs["dtype"] = _DTYPE_ALIASES.get(dtype, dtype)
+    if "seed" in kwargs and kwargs["seed"] is None:  # vLLM: no fixed seed
+        kwargs["seed"] = random.SystemRandom().randrange(2**31)
+    return EngineArgs(model=model, **kwargs)
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
-        unknown = set(engine_kwargs) - set(EngineArgs.field_names())
-        if unknown:
-            raise TypeError(f"LLM() got unknown engine arguments {sorted(unknown)}; "
-                            f"valid ones are the fields of kvserve.EngineArgs")
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs))
+        """`engine_kwargs` are kvserve.EngineArgs fields (vLLM's names); vLLM arguments with
+        nothing to do here (trust_remote_code, enforce_eager, tensor_parallel_size=1, ...) are
+        accepted, and those kvserve does not implement refused with the reason."""
+        self.engine = LLMEngine.from_engine_args(_engine_args(model, engine_kwargs))
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:  # vLLM's name
+        return self.engine
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` samples with: vLLM's defaults, overridden (unless
+        generation_config="vllm") by the model's generation_config.json, as vLLM does."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Prompts as strings, token-id lists or vLLM's prompt dicts; results in the order given."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not implemented in kvserve")
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of "
+                            f"those; got {type(prompts).__name__}")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
             else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if any(not isinstance(p, SamplingParams) for p in params):
+            bad = next(p for p in params if not isinstance(p, SamplingParams))
+            raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got "
+                            f"{type(bad).__name__}; e.g. SamplingParams(max_tokens=16)")
+        if priority is not None:
+            if self.engine.args.scheduling_policy != "priority":
+                raise ValueError("priority was given but the scheduling policy is fcfs; create the LLM with "
+                                 "scheduling_policy='priority'")
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         ids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
@@ -79,13 +134,18 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request: None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: each conversation rendered with the model's chat template."""
+        if chat_template is not None:
+            raise ValueError("chat_template: custom chat templates are not implemented; the model's own is used")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
-            add_special_tokens=False) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts = [self.tokenizer.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tools=tools, **(chat_template_kwargs or {})) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

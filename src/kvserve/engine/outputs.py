@@ -13,10 +13,16 @@ class RequestError(ValueError):
 
 
 @dataclass
-class LogprobEntry:
-    token_id: int
+class Logprob:
+    """One token's log-probability, as vLLM's `vllm.logprobs.Logprob`: `rank` is its 1-based place
+    in the vocabulary by probability, `decoded_token` its text."""
     logprob: float
-    top_logprobs: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token, as vLLM: the sampled token and the top `logprobs` alternatives, by id.
+SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
@@ -24,15 +30,17 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
+    # The sum of the sampled tokens' logprobs; None unless the request asked for logprobs (vLLM).
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     stop_reason: int | str | None = None
-    logprobs: list[LogprobEntry] | None = None
-    delta_logprobs: list[LogprobEntry] | None = None
+    # What this output adds to the previous one of the same request (streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: SampleLogprobs | None = None
 
-    @property
-    def finished(self) -> bool:
+    def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
 
 
@@ -64,6 +72,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    prompt_logprobs: None = None  # vLLM's field; kvserve refuses prompt_logprobs requests
 
     @property
     def ttft(self) -> float | None:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import sys
 from dataclasses import dataclass, field
 
 
@@ -28,6 +30,19 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM fields kvserve does not implement: accepted at their "off" value, refused otherwise
+    # (a script that sets one must not get output that silently ignored it).
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: object = None
+    guided_decoding: object = None
+    logits_processors: list | None = None
+    extra_args: dict | None = None
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         # Normalised where the type allows; anything else is left for validate() to name.
@@ -39,6 +54,29 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == -1:  # vLLM's "disabled"
             self.top_k = 0
+        if isinstance(self.stop_token_ids, list):  # numpy integers are token ids too
+            self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                                   for t in self.stop_token_ids]
+        # Refused when made, as vLLM does; the engine checks again against its own limits.
+        self.validate(max_logprobs=sys.maxsize, max_n=sys.maxsize)
+
+    def _check_unimplemented(self) -> None:
+        off = {"prompt_logprobs": "prompt logprobs are not computed", "logit_bias": "logit bias is not implemented",
+               "allowed_token_ids": "allowed_token_ids is not implemented",
+               "bad_words": "bad_words is not implemented",
+               "structured_outputs": "structured output is not implemented",
+               "guided_decoding": "structured output is not implemented",
+               "logits_processors": "custom logits processors are not implemented",
+               "extra_args": "extra_args (custom sampling plugins) are not implemented"}
+        for name, why in off.items():
+            if getattr(self, name) not in (None, {}, []):
+                raise SamplingParamsError(f"{name} is not supported by kvserve: {why}; leave it unset")
+        if self.best_of is not None and self.best_of != self.n:
+            raise SamplingParamsError("best_of is not supported by kvserve (vLLM V1 dropped it too); use n")
+        if not self.detokenize:
+            raise SamplingParamsError("detokenize=False is not supported by kvserve; leave it True")
+        # spaces_between_special_tokens only changes slow (Python) tokenizers' decoding; kvserve's
+        # are fast tokenizers, as vLLM's usually are, for which both values decode alike.
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +91,7 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise bad(name, f"must be a finite number, got {v!r}")
 
+        self._check_unimplemented()
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             number(name)
         for name in ("top_k", "min_tokens", "max_tokens", "seed", "logprobs"):
@@ -61,8 +100,9 @@ class SamplingParams:
                 raise bad(name, f"must be an integer, got {v!r}")
         if not isinstance(self.stop, list):
             raise bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list):
-            raise bad("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop_token_ids, list) or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a list of non-negative integer token ids, got {self.stop_token_ids!r}")
         if self.top_k < 0:
             raise bad("top_k", f"must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
         if not isinstance(self.n, int) or self.n < 1:

@@ -74,7 +74,8 @@ class SchedulerOutput:
 class SampledToken(NamedTuple):
     token_id: int
     logprob: float | None = None  # log-probability of token_id (when logprobs were requested)
-    top_logprobs: dict[int, float] | None = None  # top-k alternatives (when logprobs > 0)
+    top_logprobs: dict[int, float] | None = None  # top-k alternatives, best first (when logprobs > 0)
+    rank: int | None = None  # token_id's 1-based place in the vocabulary by logprob (with logprobs)
 
 
 @dataclass

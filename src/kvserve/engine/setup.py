@@ -149,7 +149,7 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     if args.has_kv_tiers:
         from kvserve.engine.kv_transfer import engine_fingerprint
         fingerprint = engine_fingerprint(args, cfg, loaded.weights, dtype, runner.kv_cache)
-    return EngineSetup(cfg, loaded.tokenizer, runner, budget, fingerprint)
+    return EngineSetup(cfg, tokenizer, runner, budget, fingerprint)
 
 
 def _kv_cache_options(args: EngineArgs, cfg: ModelConfig, weights: dict) -> dict:

@@ -45,6 +45,17 @@ class LoadedModel:
     source: str  # path actually loaded
 
 
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The generation_config.json values vLLM's `--generation-config auto` applies, as SamplingParams
+    fields; HF's generation-only flags (do_sample, num_beams, ...) are not among them, as in vLLM."""
+    return {field: generation_config[key] for key, field in _SAMPLING_KEYS.items()
+            if generation_config.get(key) is not None}
+
+
 def _unsupported(arch: str) -> ModelLoadError:
     return ModelLoadError(
         f"architecture {arch} is not supported; kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -214,12 +225,15 @@ def load_hf_directory(directory: str | Path, dtype: torch.dtype = torch.float32)
         raise ModelLoadError(f"{cfg_file} is not valid JSON ({e})") from None
     config = model_config_from_hf(cfg, name=directory.name)
     gen_file = directory / "generation_config.json"
-    if gen_file.is_file():  # chat models often list extra stop ids (e.g. <|eot_id|>) only here
+    if gen_file.is_file():
         try:
-            extra = _eos_list(json.loads(gen_file.read_text()).get("eos_token_id"))
-        except json.JSONDecodeError:
-            extra = []
+            gen = json.loads(gen_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{gen_file} is not valid JSON ({e})") from None
+        # chat models often list extra stop ids (e.g. <|eot_id|>) only here
+        extra = _eos_list(gen.get("eos_token_id"))
         config.eos_token_ids = list(dict.fromkeys([*config.eos_token_ids, *extra]))
+        config.sampling_defaults = sampling_defaults(gen)
     try:
         tokenizer = Tokenizer.from_pretrained(directory, extra_eos_token_ids=config.eos_token_ids)
     except TokenizerError as e:

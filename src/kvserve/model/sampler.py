@@ -178,7 +178,9 @@ class Sampler:
         out = [SampledToken(t) for t in ids]
         if raw_logprobs is None:
             return out
-        chosen = raw_logprobs.gather(1, token_ids[lp_rows][:, None])[:, 0].tolist()
+        chosen_t = raw_logprobs.gather(1, token_ids[lp_rows][:, None])
+        chosen = chosen_t[:, 0].tolist()
+        ranks = ((raw_logprobs > chosen_t).sum(dim=1) + 1).tolist()  # vLLM's rank: 1 + strictly better
         max_k = min(max(rows[i].params.logprobs for i in lp_rows), raw_logprobs.shape[1])
         top_vals, top_ids = (raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None))
         for j, i in enumerate(lp_rows):
@@ -186,5 +188,5 @@ class Sampler:
             top = None
             if k:
                 top = dict(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist()))
-            out[i] = SampledToken(ids[i], chosen[j], top)
+            out[i] = SampledToken(ids[i], chosen[j], top, ranks[j])
         return out

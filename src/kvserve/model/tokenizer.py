@@ -198,6 +198,27 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    # transformers' spellings, which vLLM scripts use on `llm.get_tokenizer()`
+    def convert_tokens_to_ids(self, tokens: str | Iterable[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self.backend.token_to_id(tokens)
+        return [self.backend.token_to_id(t) for t in tokens]
+
+    def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, list]:
+        """{"input_ids": ...} for a text or a list of texts, as transformers' tokenizers return."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
     # -- special tokens -----------------------------------------------------------------------
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -238,10 +259,11 @@ class Tokenizer:
         return ids
 
     # -- chat ---------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, tools: list[dict] | None = None,
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                            tokenize: bool = True, tools: list[dict] | None = None,
                             continue_final_message: bool = False, **template_kwargs: Any) -> str | list[int]:
-        """Render a conversation into the prompt text the model was trained on.
+        """Render a conversation into the prompt the model was trained on: token ids, or the text
+        with tokenize=False (transformers' defaults, as are add_generation_prompt's).
         continue_final_message: end the prompt inside the last message (no end-of-turn after
         it), so the model continues that text, as transformers and vLLM do."""
         if continue_final_message and add_generation_prompt:

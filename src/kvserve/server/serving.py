@@ -151,17 +151,23 @@ class OpenAIServing:
         if logprobs is not None and logprobs > self.config.max_logprobs:
             raise APIError(f"logprobs must be <= {self.config.max_logprobs} (--max-logprobs), got {logprobs}",
                            param="logprobs")
-        params = SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0, seed=req.seed,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop or [],
-            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens)
+        # Unset fields take the model's generation_config.json values (--generation-config auto),
+        # then vLLM's own defaults; its max_new_tokens caps max_tokens, as in vLLM's get_max_tokens.
+        d = self.llm.sampling_defaults
+
+        def pick(value, name: str, default):
+            return value if value is not None else d.get(name, default)
         try:
+            params = SamplingParams(
+                n=req.n, temperature=pick(req.temperature, "temperature", 1.0),
+                top_p=pick(req.top_p, "top_p", 1.0), top_k=pick(req.top_k, "top_k", 0),
+                min_p=pick(req.min_p, "min_p", 0.0), seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+                max_tokens=min(max_tokens, d.get("max_tokens", max_tokens)), min_tokens=req.min_tokens, stop=req.stop or [],
+                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens)
             params.validate(max_logprobs=self.config.max_logprobs, max_n=P.MAX_N)
         except SamplingParamsError as e:
             raise APIError(str(e), param=str(e).split()[0]) from None
@@ -237,7 +243,8 @@ class OpenAIServing:
             for o in out.outputs:
                 choices.append(P.CompletionChoice(
                     index=i * req.n + o.index, text=prefix + o.text, finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason, logprobs=self._completion_logprobs(o.logprobs, 0)))
+                    stop_reason=o.stop_reason,
+                    logprobs=self._completion_logprobs(o.token_ids, o.logprobs, req.logprobs, 0)))
         return P.CompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
                                     usage=self._usage(finals)).model_dump()
 
@@ -261,7 +268,8 @@ class OpenAIServing:
                         text = self.tokenizer.decode(out.prompt_token_ids) + text
                     if not text and not o.finish_reason and not o.delta_logprobs:
                         continue
-                    lp = self._completion_logprobs(o.delta_logprobs, offsets.get(index, 0))
+                    lp = self._completion_logprobs(o.delta_token_ids, o.delta_logprobs, req.logprobs,
+                                                   offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(text)
                     chunk = P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[
                         P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
@@ -282,7 +290,8 @@ class OpenAIServing:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:  # normalises the messages (chat_text_messages) before rendering
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                        continue_final_message=req.continue_final_message)
+                                                        continue_final_message=req.continue_final_message,
+                                                        tokenize=False)
         except TokenizerError as e:
             raise APIError(str(e), param="messages") from None
         except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
@@ -308,7 +317,8 @@ class OpenAIServing:
         out = (await self._collect(admitted))[0]
         choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(role=self.config.response_role, content=o.text),
                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-                                logprobs=self._chat_logprobs(o.logprobs)) for o in out.outputs]
+                                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, req.top_logprobs))
+                   for o in out.outputs]
         return P.ChatCompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
                                         usage=self._usage([out])).model_dump()
 
@@ -333,7 +343,8 @@ class OpenAIServing:
                         continue
                     chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
                         index=o.index, delta=P.DeltaMessage(content=o.delta_text), finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason, logprobs=self._chat_logprobs(o.delta_logprobs))])
+                        stop_reason=o.stop_reason,
+                        logprobs=self._chat_logprobs(o.delta_token_ids, o.delta_logprobs, req.top_logprobs))])
                     if include_usage and continuous:
                         chunk.usage = self._usage([out])
                     yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
@@ -358,31 +369,36 @@ class OpenAIServing:
         return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                            prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
-    def _completion_logprobs(self, entries, start_offset: int) -> P.CompletionLogprobs | None:
+    @staticmethod
+    def _top(entry: dict, k: int | None) -> list[tuple[str, float]]:
+        """(text, logprob) of the top-k alternatives in a vLLM-shaped logprobs entry, best first."""
+        top = sorted((lp.rank, lp.decoded_token, max(lp.logprob, LOGPROB_FLOOR)) for lp in entry.values()
+                     if lp.rank is not None and lp.rank <= (k or 0))
+        return [(text, v) for _, text, v in top]
+
+    def _completion_logprobs(self, token_ids: list[int], entries, k: int | None,
+                             start_offset: int) -> P.CompletionLogprobs | None:
         if entries is None:
             return None
         lp = P.CompletionLogprobs()
         offset = start_offset
-        for e in entries:
-            text = self.token_text(e.token_id)
+        for tid, e in zip(token_ids, entries):
+            text = e[tid].decoded_token
             lp.tokens.append(text)
-            lp.token_logprobs.append(max(e.logprob, LOGPROB_FLOOR))
+            lp.token_logprobs.append(max(e[tid].logprob, LOGPROB_FLOOR))
             lp.text_offset.append(offset)
             offset += len(text)
-            lp.top_logprobs.append({self.token_text(t): max(v, LOGPROB_FLOOR) for t, v in e.top_logprobs.items()}
-                                   if e.top_logprobs else None)
+            lp.top_logprobs.append(dict(self._top(e, k)) or None)
         return lp
 
-    def _chat_logprobs(self, entries) -> P.ChatLogprobs | None:
+    def _chat_logprobs(self, token_ids: list[int], entries, k: int | None) -> P.ChatLogprobs | None:
         if entries is None:
             return None
         content = []
-        for e in entries:
-            text = self.token_text(e.token_id)
-            top = [P.TopLogprob(token=self.token_text(t), logprob=max(v, LOGPROB_FLOOR),
-                                bytes=list(self.token_text(t).encode()))
-                   for t, v in sorted(e.top_logprobs.items(), key=lambda kv: -kv[1])]
-            content.append(P.ChatTokenLogprob(token=text, logprob=max(e.logprob, LOGPROB_FLOOR),
+        for tid, e in zip(token_ids, entries):
+            text = e[tid].decoded_token
+            top = [P.TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in self._top(e, k)]
+            content.append(P.ChatTokenLogprob(token=text, logprob=max(e[tid].logprob, LOGPROB_FLOOR),
                                               bytes=list(text.encode()), top_logprobs=top))
         return P.ChatLogprobs(content=content)
 

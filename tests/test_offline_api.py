@@ -1,0 +1,168 @@
+"""The offline API as a vLLM script uses it: LLM's arguments and methods, SamplingParams, and the
+shape of RequestOutput / CompletionOutput (vllm/entrypoints/llm.py, vllm/outputs.py,
+vllm/logprobs.py). Found by auditing kvserve with vLLM-style scripts."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ConfigError
+from kvserve.engine.outputs import Logprob, RequestError
+from kvserve.engine.sampling_params import SamplingParamsError
+from tiny_models import make_tiny_model
+
+
+def greedy(n=8, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("offline"), kind="llama_gqa")
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    # vLLM scripts pass these; each is accepted as a no-op or its harmless value
+    return LLM(str(path), dtype=__import__("torch").float32, kv_cache_memory=2**24, max_model_len=256,
+               trust_remote_code=True, enforce_eager=True, tensor_parallel_size=1, quantization=None,
+               revision=None, disable_custom_all_reduce=True, generation_config="vllm")
+
+
+def test_vllm_arguments_refused_with_the_reason(path):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not supported: .*tensor parallelism"):
+        LLM(str(path), tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="quantization='awq' is not supported"):
+        LLM(str(path), quantization="awq")
+    with pytest.raises(TypeError, match=r"unknown engine arguments \['no_such_thing'\]"):
+        LLM(str(path), no_such_thing=1)
+
+
+def test_logprobs_have_vllms_shape(llm):
+    out = llm.generate([[5, 6, 7]], greedy(6, logprobs=3), use_tqdm=False)[0]
+    assert out.prompt_logprobs is None and out.finished
+    o = out.outputs[0]
+    assert o.finished() and len(o.logprobs) == len(o.token_ids) == 6
+    for tok, entry in zip(o.token_ids, o.logprobs):
+        assert tok in entry and all(isinstance(v, Logprob) for v in entry.values())
+        ranks = sorted(v.rank for t, v in entry.items() if t != tok or v.rank <= 3)
+        assert ranks[:3] == [1, 2, 3]  # the top 3, the sampled one among them (greedy: rank 1)
+        assert entry[tok].rank == 1 and entry[tok].decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
+        assert all(v.logprob <= 0 for v in entry.values())
+    assert math.isclose(o.cumulative_logprob, sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs)))
+    plain = llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+    sampled = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, seed=1, logprobs=0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert all(list(e) == [t] and e[t].rank >= 1 for t, e in zip(sampled.token_ids, sampled.logprobs))
+
+
+def test_a_stop_token_leaves_no_text(llm):
+    base = llm.generate([[5, 6, 7]], greedy(12), use_tqdm=False)[0].outputs[0]
+    ids = base.token_ids
+    i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and llm.tokenizer.decode([ids[i]]))
+    out = llm.generate([[5, 6, 7]], greedy(12, stop_token_ids=[ids[i]]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:i + 1] and out.finish_reason == "stop" and out.stop_reason == ids[i]
+    assert out.text == llm.tokenizer.decode(ids[:i])  # vLLM: the stop token's text is not output
+    kept = llm.generate([[5, 6, 7]], greedy(12, stop_token_ids=[ids[i]], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode(ids[:i + 1])
+
+
+def test_min_tokens_holds_back_stop_strings(llm):
+    base = llm.generate([[5, 6, 7]], greedy(12), use_tqdm=False)[0].outputs[0]
+    first = llm.tokenizer.decode(base.token_ids[:1])
+    assert first
+    stopped = llm.generate([[5, 6, 7]], greedy(12, stop=[first]), use_tqdm=False)[0].outputs[0]
+    assert len(stopped.token_ids) == 1 and stopped.text == ""
+    held = llm.generate([[5, 6, 7]], greedy(12, stop=[first], min_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) > 3 and held.text.startswith(first)
+
+
+def test_the_tokenizer_argument_is_used(path, tmp_path):
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tok_dir / name).write_bytes((path / name).read_bytes())
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(path), tokenizer=str(tok_dir), dtype="float", kv_cache_memory=2**22, max_model_len=128)
+    assert llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+    assert llm.llm_engine is llm.engine
+    tok = llm.get_tokenizer()  # transformers' calls scripts make on it
+    ids = tok("Hello world")["input_ids"]
+    assert tok.batch_decode([ids]) == [tok.decode(ids)] == ["Hello world"]
+    assert tok.convert_tokens_to_ids("<|im_end|>") == tok.get_vocab()["<|im_end|>"]
+    assert tok.convert_tokens_to_ids(["<|im_end|>"]) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert len(tok) == tok.vocab_size
+
+
+def test_chat_takes_vllms_keywords(llm):
+    conv = [{"role": "user", "content": "Say"}, {"role": "assistant", "content": "Hello"}]
+    out = llm.chat(conv, greedy(3), use_tqdm=False, add_generation_prompt=False, continue_final_message=True,
+                   chat_template_kwargs={"enable_thinking": False}, lora_request=None)[0]
+    expected = llm.tokenizer.apply_chat_template(conv, continue_final_message=True)
+    assert out.prompt_token_ids == expected
+    assert llm.tokenizer.decode(expected).endswith("Hello")
+    with pytest.raises(ValueError, match="custom chat templates are not implemented"):
+        llm.chat(conv, chat_template="{{ messages }}")
+
+
+def test_user_mistakes_name_the_problem(llm):
+    with pytest.raises(TypeError, match="prompts must be .* got int"):
+        llm.generate(5)
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams .* got dict"):
+        llm.generate("x", {"max_tokens": 3})
+    with pytest.raises(ValueError, match="scheduling policy is fcfs"):
+        llm.generate(["a", "b"], greedy(2), priority=[5, -3], use_tqdm=False)
+    with pytest.raises(RequestError, match="prompt_token_ids is a string"):
+        llm.generate({"prompt_token_ids": llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False)}, use_tqdm=False)
+    with pytest.raises(ValueError, match="LoRA adapters are not implemented"):
+        llm.generate("x", lora_request=object())
+    # Refused when constructed, as vLLM does
+    with pytest.raises(SamplingParamsError, match="n must be an integer >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(SamplingParamsError, match="stop_token_ids must be a list of non-negative integer"):
+        SamplingParams(stop_token_ids=["13003"])
+    for kwargs, message in ((dict(best_of=3), "best_of is not supported by kvserve"),
+                            (dict(prompt_logprobs=1), "prompt_logprobs is not supported by kvserve"),
+                            (dict(logit_bias={5: 2.0}), "logit_bias is not supported"),
+                            (dict(structured_outputs={"json": {}}), "structured output is not implemented"),
+                            (dict(detokenize=False), "detokenize=False is not supported")):
+        with pytest.raises(SamplingParamsError, match=message):
+            SamplingParams(**kwargs)
+    two = llm.generate([[5, 6, 7]], SamplingParams(n=2, best_of=2, max_tokens=3, seed=0), use_tqdm=False)[0]
+    assert len(two.outputs) == 2  # best_of equal to n is vLLM V1's only accepted value
+    assert not llm.engine.has_unfinished_requests()
+    # numpy integers are token ids, in prompts and stop_token_ids
+    arr = np.array([5, 6, 7])
+    a = llm.generate([list(arr)], greedy(4, stop_token_ids=[np.int64(0)]), use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_seed_none_and_default_sampling_params(path):
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, max_model_len=128, seed=None)
+    assert isinstance(llm.engine.args.seed, int)
+    assert llm.get_default_sampling_params() == SamplingParams()
+    out = llm.generate("Hello", use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) <= 16  # vLLM's default max_tokens
+
+
+def test_generation_config_defaults_as_vllm(path, tmp_path):
+    import shutil
+    d = shutil.copytree(path, tmp_path / "m")
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "top_k": 1, "max_new_tokens": 4, "temperature": 0.6}))
+    llm = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128)
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1, max_tokens=4, temperature=0.6)
+    runs = [llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+    assert len(runs[0]) <= 4 and runs[0] == runs[1]  # top_k=1: greedy whatever the temperature
+    off = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128, generation_config="vllm")
+    assert off.get_default_sampling_params() == SamplingParams()
+    (d / "generation_config.json").write_text(json.dumps({**gen, "top_p": 0.0}))
+    with pytest.raises(ConfigError, match="generation_config.json gives sampling defaults .*top_p"):
+        LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128)
