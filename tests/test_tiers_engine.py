@@ -168,6 +168,27 @@ def test_disk_tier_persists_across_restart(tiny, ref, tmp_path):
         second.engine.close()
 
 
+def test_blocks_still_on_device_are_written_down_at_shutdown(tiny, ref, tmp_path):
+    """No eviction before close(): the prompts' blocks are all still in the device pool, and
+    close() (the server's shutdown) hands them to disk, so the restarted engine hits them."""
+    path, _ = tiny
+    disk = dict(kv_disk_path=str(tmp_path / "kv"), kv_disk_size="64MiB")
+    prompts = documents_workload(seed=4)[0][:1]
+    first = LLM(path, **SMALL, **disk)
+    outs = first.generate(prompts, greedy(), use_tqdm=False)
+    assert first.engine.get_stats().kv_offloaded_blocks == 0  # nothing was evicted
+    first.engine.close()
+    first.engine.close()  # idempotent
+    second = LLM(path, **SMALL, **disk)
+    try:
+        again = second.generate(prompts, greedy(), use_tqdm=False)
+        for p, a, b in zip(prompts, outs, again):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids == ref(p)
+        assert second.engine.get_stats().tier_hits["disk"] >= 320
+    finally:
+        second.engine.close()
+
+
 def test_redis_shared_between_two_engines(tiny, ref, redis_server):
     path, _ = tiny
     redis_server_flush(redis_server)

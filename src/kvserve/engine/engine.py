@@ -203,9 +203,16 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     def close(self) -> None:
-        """Write queued blocks down and release the tiers (the disk tier's directory lock)."""
-        if self.kv_tiers is not None:
-            self._close_tiers()
+        """Write the pool's cached blocks and the queued ones down to disk / Redis, then release
+        the tiers (the disk tier's directory lock). The server calls it at shutdown."""
+        if self.kv_tiers is None or not self._close_tiers.alive:
+            return
+        if self.kv_transfer is not None and self.kv_tiers.lower:
+            written = self.kv_transfer.persist(self.kv.cached_blocks())
+            if written:
+                logger.info("shutdown: %d cached KV blocks written to the %s tier(s)", written,
+                            "/".join(t.name for t in self.kv_tiers.lower))
+        self._close_tiers()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -115,6 +115,34 @@ class KVTransfer:
         chain.settle_held()
         chain.stats.offload_seconds += time.perf_counter() - start
 
+    @torch.inference_mode()
+    def persist(self, blocks: list[BlockOffload], timeout: float = 60.0) -> int:
+        """At shutdown: write blocks still in the pool to the lower tiers (disk, Redis), which
+        otherwise only see blocks on eviction, so a restarted engine finds the hottest prefixes
+        too. Waits for the writer as its queue fills; gives up after `timeout` seconds. Returns
+        the number of blocks handed down."""
+        writer = self.chain.writer
+        if writer is None:
+            return 0
+        self._forget_lost()
+        todo = [b for b in blocks if b.key not in self._written]
+        deadline, done = time.monotonic() + timeout, 0
+        for start in range(0, len(todo), 64):  # bounded memory: 64 blocks read at a time
+            part = todo[start:start + 64]
+            data = self.kv_cache.read_blocks(torch.tensor([b.block_id for b in part]))
+            for j, b in enumerate(part):
+                payload = pack_block(self._block_tensors(data, j))
+                while not writer.submit(b.key, payload):  # queue full: let it drain
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not writer.flush(left):
+                        logger.warning("shutdown: %d of %d cached blocks not written to the lower KV tiers "
+                                       "(the writer did not keep up within %.0f s)", len(todo) - done, len(todo),
+                                       timeout)
+                        return done
+                self._remember(b.key)
+                done += 1
+        return done
+
     def _restore(self, restores: list[BlockRestore]) -> None:
         start = time.perf_counter()
         # One write per stored form (sealed blocks; swapped-out open blocks with their residual).

@@ -247,6 +247,11 @@ class KVCacheManager:
         restores, self._restores = self._restores, []
         return offloads, restores
 
+    def cached_blocks(self) -> list[BlockOffload]:
+        """Every full block the pool holds under a chain hash, in use or cached-free: what an
+        engine shutting down hands to the lower tiers (write-back only happens on eviction)."""
+        return [BlockOffload(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
+
     def _on_evict(self, block: Block) -> None:
         if block.block_hash is not None:  # only full blocks have a chain hash to be found by
             self._offloads.append(BlockOffload(block.block_id, block.block_hash))
