@@ -222,6 +222,8 @@ def test_generation_config_eos_ids_are_merged(tiny_dir, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.6, "top_p": 0.9, "do_sample": True,
                                                           "max_new_tokens": 5, "num_beams": 1}))
     assert load_model(str(d)).config.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 5}
+    (d / "generation_config.json").write_text("{not json")  # as vLLM: warned about, the model still loads
+    assert load_model(str(d)).config.sampling_defaults == {}
 
 
 def test_tied_checkpoint_with_stored_lm_head_drops_it(tiny_dir, tmp_path):

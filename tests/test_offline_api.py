@@ -89,11 +89,17 @@ def test_the_tokenizer_argument_is_used(path, tmp_path):
     cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
     cfg["chat_template"] = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    llm = LLM(str(path), tokenizer=str(tok_dir), dtype="float", kv_cache_memory=2**22, max_model_len=128)
+    import shutil
+    model = shutil.copytree(path, tmp_path / "m")
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 7]}))
+    llm = LLM(str(model), tokenizer=str(tok_dir), dtype="float", kv_cache_memory=2**22, max_model_len=128)
     assert llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+    assert 7 in llm.get_tokenizer().eos_token_ids  # the model's stop ids hold with another tokenizer
     assert llm.llm_engine is llm.engine
     tok = llm.get_tokenizer()  # transformers' calls scripts make on it
     ids = tok("Hello world")["input_ids"]
+    assert tok("Hello world").input_ids == ids and tok(["a", "b"]).input_ids == [tok.encode("a"), tok.encode("b")]
     assert tok.batch_decode([ids]) == [tok.decode(ids)] == ["Hello world"]
     assert tok.convert_tokens_to_ids("<|im_end|>") == tok.get_vocab()["<|im_end|>"]
     assert tok.convert_tokens_to_ids(["<|im_end|>"]) == [tok.convert_tokens_to_ids("<|im_end|>")]

@@ -111,6 +111,10 @@ def test_completion_logprobs(client):
     for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and 1 <= len(top) <= 3
         assert value == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the top token
+    # logprobs=0: the sampled token alone in top_logprobs, as vLLM's completions send it
+    r0 = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=2, temperature=0, logprobs=0)
+    lp0 = r0.choices[0].logprobs
+    assert [list(t) for t in lp0.top_logprobs] == [[tok] for tok in lp0.tokens]
 
 
 def test_chat_logprobs(client):

@@ -168,7 +168,7 @@ def test_completion_request_accepts_openai_and_vllm_fields():
 def test_unset_request_fields_take_the_generation_config_defaults():
     from types import SimpleNamespace
     from kvserve.server.serving import OpenAIServing, ServingConfig
-    llm = SimpleNamespace(tokenizer=None, max_model_len=100,
+    llm = SimpleNamespace(tokenizer=None, max_model_len=100, token_text=str,
                           sampling_defaults={"temperature": 0.6, "top_p": 0.9, "max_tokens": 8})
     serving = OpenAIServing(llm, ServingConfig(served_model_names=["m"]))
     unset = serving._sampling_params(CompletionRequest.model_validate({"prompt": "x"}), 50, None)

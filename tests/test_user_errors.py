@@ -92,7 +92,6 @@ def test_vllm_serve_flags_are_accepted(argv):
 
 
 @pytest.mark.parametrize("argv, message", [(["-tp", "2"], "tensor parallelism"),
-                                           (["--generation-config", "/some/dir"], "invalid choice"),
                                            (["--tokenizer-mode", "slow"], "fast tokenizer"),
                                            (["--distributed-executor-backend", "ray"], "no Ray backend"),
                                            (["--allowed-origins", "*"], "JSON list")])
@@ -101,3 +100,9 @@ def test_vllm_serve_flags_refused_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_generation_config_folder_is_refused_with_the_reason():
+    from kvserve.config import ConfigError, EngineArgs
+    with pytest.raises(ConfigError, match="a separate folder is not supported"):
+        EngineArgs(generation_config="/some/dir").validate()

@@ -15,7 +15,7 @@ import sys
 import typing
 
 from kvserve.config import (DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, VLLM_NOOP,
-                            VLLM_NOOP_VALUE, VLLM_REFUSED, ConfigError, EngineArgs, parse_size)
+                            VLLM_NOOP_VALUE, VLLM_REFUSED, ConfigError, EngineArgs, accepted_values, parse_size)
 
 logger = logging.getLogger("kvserve")
 
@@ -29,7 +29,7 @@ _GROUPS = {
 }
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
             "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda"),
-            "attention_backend": ("auto", "torch", "triton"), "generation_config": ("auto", "vllm")}
+            "attention_backend": ("auto", "torch", "triton")}
 _HELP = {
     "model": "HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory when it differs from the model's",
@@ -37,8 +37,9 @@ _HELP = {
     "device": "where the model runs",
     "seed": "engine-wide random seed (per-request `seed` overrides it)",
     "attention_backend": "attention kernels: torch (portable) or triton (CUDA)",
-    "generation_config": "auto: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or "
-                         "max_tokens unset take the model's generation_config.json values, as vLLM; vllm: ignore them",
+    "generation_config": "auto (or vllm): requests that leave temperature, top_p, top_k, min_p, "
+                         "repetition_penalty or max_tokens unset take the model's generation_config.json values, "
+                         "as vLLM; vllm: ignore them",
     "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
                             "per group (cascade attention, CPU bf16 kernel; on by default)",
     "served_model_name": "name(s) clients send as `model` (default: the model path)",
@@ -70,10 +71,9 @@ _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], 
 
 class _Refuse(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        allowed, why = VLLM_REFUSED[self.dest]
-        allowed = (allowed,) if isinstance(allowed, str) else allowed or ()
-        if str(values) not in allowed:
-            parser.error(f"{option_string}{'' if values is None else ' ' + str(values)} is not supported: {why}")
+        if str(values) not in accepted_values(self.dest):
+            parser.error(f"{option_string}{'' if values is None else ' ' + str(values)} is not supported: "
+                         f"{VLLM_REFUSED[self.dest][1]}")
 
 
 class _Noop(argparse.Action):
@@ -132,9 +132,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(_flag(f.name), **kwargs)
     refused = parser.add_argument_group("vLLM flags kvserve refuses (an error names the reason)")
-    for name, (allowed, why) in VLLM_REFUSED.items():
+    for name, (_, why) in VLLM_REFUSED.items():
         if name not in hints:
-            only = " or ".join((allowed,) if isinstance(allowed, str) else allowed or ())
+            only = " or ".join(accepted_values(name))
             refused.add_argument(_flag(name), *_ALIASES.get(name, []), dest=name, nargs="?", action=_Refuse,
                                  default=argparse.SUPPRESS, metavar="X",
                                  help=why + (f" (only {only} is accepted)" if only else ""))

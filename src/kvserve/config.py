@@ -5,6 +5,7 @@ the same names as keyword arguments. Nothing else configures the engine.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -54,9 +55,9 @@ VLLM_REFUSED = {
 }
 # Flags that change nothing here: name -> why (switches), and the same for flags that take a value.
 VLLM_NOOP = {"enforce_eager": "kvserve never captures CUDA graphs, so it always runs eagerly",
-         "trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
-         "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
-         "disable_frontend_multiprocessing": "the HTTP server and the engine share one process already"}
+             "trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
+             "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
+             "disable_frontend_multiprocessing": "the HTTP server and the engine share one process already"}
 VLLM_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve captures no CUDA graphs"}
 # Offline `LLM(...)` arguments of vLLM's with nothing to do here (value ignored).
 VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "one device per process: no all-reduce",
@@ -64,26 +65,27 @@ VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "one device per process: no al
                      "download_dir": "models are local paths; nothing is downloaded"}
 
 
+def accepted_values(name: str) -> tuple[str, ...]:
+    """The values a VLLM_REFUSED argument is accepted with (as strings)."""
+    allowed = VLLM_REFUSED[name][0]
+    return (allowed,) if isinstance(allowed, str) else allowed or ()
+
+
 def vllm_only_args(kwargs: dict) -> list[str]:
     """Check vLLM arguments that are not EngineArgs fields (`LLM(trust_remote_code=True)`): the
     no-ops are accepted, the unimplemented refused unless given their harmless value. Returns the
     names accepted, to be dropped; raises ConfigError for the rest."""
-    import logging
-    log = logging.getLogger("kvserve")
     accepted = []
     for name, value in kwargs.items():
         why = {**VLLM_NOOP, **VLLM_NOOP_VALUE, **VLLM_NOOP_OFFLINE}.get(name)
         if why is not None:
-            log.info("%s: accepted, nothing to do (%s)", name, why)
+            logging.getLogger("kvserve").info("%s: accepted, nothing to do (%s)", name, why)
             accepted.append(name)
         elif name in VLLM_REFUSED:
-            allowed, why = VLLM_REFUSED[name]
-            allowed = (allowed,) if isinstance(allowed, str) else allowed or ()
-            if value is not None and value is not False and str(value) not in allowed:
-                raise ConfigError(f"{name}={value!r} is not supported: {why}")
+            if value is not None and value is not False and str(value) not in accepted_values(name):
+                raise ConfigError(f"{name}={value!r} is not supported: {VLLM_REFUSED[name][1]}")
             accepted.append(name)
     return accepted
-
 
 
 def parse_size(value: str | int | float, flag: str = "size") -> int:
@@ -168,9 +170,9 @@ class EngineArgs:
     check_integrity: bool = False  # verify block accounting after every step (slow)
     disable_log_stats: bool = False
     max_logprobs: int = 20
-    # vLLM's default: the model's generation_config.json sampling values (temperature, top_p, top_k,
-    # min_p, repetition_penalty, max_new_tokens) are the defaults of requests that leave them
-    # unset; "vllm" ignores them.
+    # vLLM's default "auto": the model's generation_config.json sampling values (temperature, top_p,
+    # top_k, min_p, repetition_penalty, max_new_tokens) are LLM.generate's sampling parameters when
+    # none are given, and the server's defaults for fields a request leaves unset; "vllm" ignores them.
     generation_config: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     # vLLM's flag: attend shared prefixes per sequence instead of once per group of decodes

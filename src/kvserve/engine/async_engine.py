@@ -104,6 +104,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.sampling_defaults: dict = engine.sampling_defaults
+        self.token_text = engine.token_text
         self.step_listeners: list[StepListener] = list(step_listeners or [])
         self._cv = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()

@@ -68,9 +68,9 @@ class LLMEngine:
         self.runner = setup.runner
         self.max_model_len = setup.max_model_len
         self.sampling_defaults = self._sampling_defaults(args)
-        # A token's own text, for logprobs' decoded_token (top-k alternatives repeat a lot).
+        # A token's own text: logprobs' decoded_token, the server's /tokenize token strings.
         tokenizer = self.tokenizer  # not self: no reference cycle through the cache
-        self._token_text = functools.lru_cache(maxsize=65536)(
+        self.token_text = functools.lru_cache(maxsize=65536)(
             lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self.kv_tiers, self.kv_transfer = None, None
         if args.has_kv_tiers:
@@ -157,6 +157,9 @@ class LLMEngine:
                 raise RequestError("prompt is empty; send at least one token", "prompt")
             ids = self.tokenizer.encode(prompt)
             text = prompt
+            if ids and max(ids) >= self.model_config.vocab_size:  # a --tokenizer larger than the model
+                raise RequestError(f"the tokenizer gave token id {max(ids)}, outside this model's vocabulary of "
+                                   f"{self.model_config.vocab_size}; use the model's own tokenizer", "prompt")
         else:
             # numpy integers (a token array's items) are token ids too
             ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
@@ -247,12 +250,15 @@ class LLMEngine:
                 seq.logprobs.append(entry)
                 seq.new_logprobs.append(entry)
                 seq.cumulative_logprob += tok.logprob
-            # A stop token (EOS, stop_token_ids) ends the output without its text, unless
-            # include_stop_str_in_output; it stays in token_ids, as vLLM does.
+            # As vLLM: a stop token (EOS, stop_token_ids) ends the output without its text unless
+            # include_stop_str_in_output (it stays in token_ids); stop strings are looked for only
+            # past min_tokens, and one found in the same step wins as the stop reason.
             p = req.sampling_params
             stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
-            if (not stopped_by_token or p.include_stop_str_in_output) and seq.detok.add_token(
-                    tok.token_id, stop_strings=req.num_output_tokens > p.min_tokens) and not stopped_by_token:
+            found_stop_string = False
+            if not stopped_by_token or p.include_stop_str_in_output:
+                found_stop_string = seq.detok.add_token(tok.token_id, stop_strings=req.num_output_tokens > p.min_tokens)
+            if found_stop_string:
                 req.stop_reason = seq.detok.stop_reason
                 if req.is_finished:  # the same token also hit a length limit: the stop string wins
                     req.status = RequestStatus.FINISHED_STOPPED
@@ -266,7 +272,7 @@ class LLMEngine:
 
     def _logprobs_entry(self, tok) -> dict[int, Logprob]:
         """vLLM's per-token dict: the sampled token first, then the top-k by rank."""
-        text = self._token_text
+        text = self.token_text
         entry = {tok.token_id: Logprob(tok.logprob, tok.rank, text(tok.token_id))}
         for rank, (t, lp) in enumerate((tok.top_logprobs or {}).items(), start=1):
             if t not in entry:

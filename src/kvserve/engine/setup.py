@@ -129,7 +129,8 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     tokenizer = loaded.tokenizer
     if args.tokenizer:
         from kvserve.model.tokenizer import Tokenizer
-        tokenizer = Tokenizer.from_pretrained(args.tokenizer)
+        # The model's own stop ids (config.json / generation_config.json) apply whatever the tokenizer.
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer, extra_eos_token_ids=loaded.config.eos_token_ids)
     cfg = loaded.config
     gpu_budget = None
     if device.type == "cuda" and args.kv_cache_memory is None and args.num_gpu_blocks_override is None:

@@ -8,7 +8,8 @@ SmolLM2, and 35-45 % of its time (bench/NOTES.md, session 7). vLLM's CPU docs an
 preloading tcmalloc; the same effect comes from glibc itself when large blocks stay on the heap
 and the heap is not trimmed, which needs no preload or re-exec and works on any glibc system.
 
-The heap then keeps its high-water mark (a few hundred MB for the largest step) instead of
+Blocks over 32 MiB (glibc's ceiling for the threshold: an 8B model's 2,048-token MLP activation)
+are still mapped afresh. The heap then keeps its high-water mark (a few hundred MB for the largest step) instead of
 returning it to the OS between steps: the memory is in use again on the next step anyway.
 """
 from __future__ import annotations

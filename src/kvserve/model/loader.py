@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from kvserve.config import ModelConfig
 from kvserve.model import gguf_cache
 from kvserve.model.gguf import GGUFFormatError, config_from_gguf, read_gguf, weights_from_gguf
 from kvserve.model.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
@@ -228,8 +231,9 @@ def load_hf_directory(directory: str | Path, dtype: torch.dtype = torch.float32)
     if gen_file.is_file():
         try:
             gen = json.loads(gen_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{gen_file} is not valid JSON ({e})") from None
+        except json.JSONDecodeError as e:  # as vLLM: the model still loads, without the file's values
+            log.warning("%s is not valid JSON (%s); ignoring it", gen_file, e)
+            gen = {}
         # chat models often list extra stop ids (e.g. <|eot_id|>) only here
         extra = _eos_list(gen.get("eos_token_id"))
         config.eos_token_ids = list(dict.fromkeys([*config.eos_token_ids, *extra]))

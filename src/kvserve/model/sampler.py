@@ -180,7 +180,7 @@ class Sampler:
             return out
         chosen_t = raw_logprobs.gather(1, token_ids[lp_rows][:, None])
         chosen = chosen_t[:, 0].tolist()
-        ranks = ((raw_logprobs > chosen_t).sum(dim=1) + 1).tolist()  # vLLM's rank: 1 + strictly better
+        ranks = (raw_logprobs >= chosen_t).sum(dim=1).tolist()  # vLLM's rank: tokens at least as likely
         max_k = min(max(rows[i].params.logprobs for i in lp_rows), raw_logprobs.shape[1])
         top_vals, top_ids = (raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None))
         for j, i in enumerate(lp_rows):

@@ -17,6 +17,16 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 
+class Encoding(dict):
+    """transformers' BatchEncoding, as far as scripts read it: `enc["input_ids"]` or `enc.input_ids`."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class TokenizerError(ValueError):
     """The tokenizer files are missing/unusable, or a request needs something the model lacks."""
 
@@ -204,7 +214,7 @@ class Tokenizer:
             return self.backend.token_to_id(tokens)
         return [self.backend.token_to_id(t) for t in tokens]
 
-    def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
+    def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
 
     def get_vocab(self) -> dict[str, int]:
@@ -213,11 +223,11 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, list]:
-        """{"input_ids": ...} for a text or a list of texts, as transformers' tokenizers return."""
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> "Encoding":
+        """`input_ids` for a text or a list of texts, by key or attribute, as transformers' return."""
         if isinstance(text, str):
-            return {"input_ids": self.encode(text, add_special_tokens)}
-        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+            return Encoding(input_ids=self.encode(text, add_special_tokens))
+        return Encoding(input_ids=[self.encode(t, add_special_tokens) for t in text])
 
     # -- special tokens -----------------------------------------------------------------------
     def _id(self, token: str | None) -> int | None:

@@ -11,7 +11,6 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import AsyncIterator
 
 from kvserve.engine.async_engine import AsyncLLM, RequestStream
@@ -70,10 +69,7 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
         self.model_name = config.served_model_names[0]
-        self.token_text = lru_cache(maxsize=65536)(self._token_text)
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        self.token_text = llm.token_text
 
     # ----- validation -----
 
@@ -289,14 +285,12 @@ class OpenAIServing:
     def _chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:  # normalises the messages (chat_text_messages) before rendering
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                        continue_final_message=req.continue_final_message,
-                                                        tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      continue_final_message=req.continue_final_message)
         except TokenizerError as e:
             raise APIError(str(e), param="messages") from None
         except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
             raise APIError(f"messages: the chat template rejected them: {e}", param="messages") from None
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     async def create_chat_completion(self, req: P.ChatCompletionRequest, cache_salt: str | None):
         self._check_common(req, {"echo": "echo is not implemented for chat completions"})
@@ -370,11 +364,10 @@ class OpenAIServing:
                            prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
     @staticmethod
-    def _top(entry: dict, k: int | None) -> list[tuple[str, float]]:
-        """(text, logprob) of the top-k alternatives in a vLLM-shaped logprobs entry, best first."""
-        top = sorted((lp.rank, lp.decoded_token, max(lp.logprob, LOGPROB_FLOOR)) for lp in entry.values()
-                     if lp.rank is not None and lp.rank <= (k or 0))
-        return [(text, v) for _, text, v in top]
+    def _top(entry: dict, n: int) -> list[tuple[str, float]]:
+        """(text, logprob) of the first n tokens of a vLLM-shaped logprobs entry: the sampled
+        token, then the top-k by rank. vLLM's completions send n = k + 1, its chat n = k."""
+        return [(lp.decoded_token, max(lp.logprob, LOGPROB_FLOOR)) for lp in list(entry.values())[:n]]
 
     def _completion_logprobs(self, token_ids: list[int], entries, k: int | None,
                              start_offset: int) -> P.CompletionLogprobs | None:
@@ -388,7 +381,7 @@ class OpenAIServing:
             lp.token_logprobs.append(max(e[tid].logprob, LOGPROB_FLOOR))
             lp.text_offset.append(offset)
             offset += len(text)
-            lp.top_logprobs.append(dict(self._top(e, k)) or None)
+            lp.top_logprobs.append(dict(self._top(e, (k or 0) + 1)))
         return lp
 
     def _chat_logprobs(self, token_ids: list[int], entries, k: int | None) -> P.ChatLogprobs | None:
@@ -397,7 +390,7 @@ class OpenAIServing:
         content = []
         for tid, e in zip(token_ids, entries):
             text = e[tid].decoded_token
-            top = [P.TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in self._top(e, k)]
+            top = [P.TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in self._top(e, k or 0)]
             content.append(P.ChatTokenLogprob(token=text, logprob=max(e[tid].logprob, LOGPROB_FLOOR),
                                               bytes=list(text.encode()), top_logprobs=top))
         return P.ChatLogprobs(content=content)
