@@ -1,10 +1,11 @@
-"""The decoder's residual add + RMSNorm and rotary embedding, in torch or as one compiled pass.
+"""The decoder's residual add + RMSNorm, rotary embedding and SiLU(gate) * up, in torch or as one
+compiled pass each.
 
 The torch versions are transformers' arithmetic in as few ops as torch allows. For bf16 on CPUs
 with AVX512-BF16 each step is also one pass of compiled code (csrc/elementwise_bf16.cpp, built
 with the attention kernels): torch runs an RMSNorm as ~8 small ops, and at decode sizes their
-dispatch and memory passes, not the arithmetic, are the cost. The compiled passes round to bf16
-where torch's ops do. float32 always takes the torch ops: it is the reference dtype, token-exact
+dispatch and memory passes, not the arithmetic, are the cost; at prefill sizes, the passes over
+memory. The compiled passes round to bf16 where torch's ops do. float32 always takes the torch ops: it is the reference dtype, token-exact
 against transformers.
 """
 from __future__ import annotations
@@ -34,10 +35,10 @@ class ElementwiseOps:
     """The steps for one model's dtype and device: compiled where they apply, torch otherwise."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device | str) -> None:
-        self._add_rms_norm = self._rope = None
+        self._add_rms_norm = self._rope = self._silu_mul = None
         if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             from kvserve.model.attention.cpu_kernel import elementwise_kernels
-            self._add_rms_norm, self._rope = elementwise_kernels() or (None, None)
+            self._add_rms_norm, self._rope, self._silu_mul = elementwise_kernels() or (None, None, None)
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -62,3 +63,14 @@ class ElementwiseOps:
             self._rope(x.data_ptr(), x.stride(0), t, heads, d, cos.data_ptr(), sin_signed.data_ptr())
             return x
         return apply_rope(x, cos, sin_signed)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up for gate_up `[T, 2I]` = (gate | up), as a new `[T, I]` tensor; the
+        compiled pass reads gate_up once instead of torch's two passes."""
+        t, two_i = gate_up.shape
+        if self._silu_mul is not None and gate_up.stride(1) == 1 and two_i % 2 == 0:
+            out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
+            self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, two_i // 2)
+            return out
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)

@@ -130,10 +130,10 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
             o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
             x = ops.add_rms_norm(h, layer.o_proj(o.reshape(t, self.q_size)), layer.post_attn_norm, eps)
-            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
+            act = ops.silu_mul(layer.gate_up_proj(x))
             # The residual add closes the layer and fuses with the next norm (or the final one).
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x = ops.add_rms_norm(h, layer.down_proj(F.silu(gate).mul_(up)), next_norm, eps)
+            x = ops.add_rms_norm(h, layer.down_proj(act), next_norm, eps)
         return x
 
     @torch.inference_mode()

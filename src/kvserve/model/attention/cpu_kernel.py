@@ -40,6 +40,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # elementwise steps (model/csrc, called from model/fused.py).
 _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "stage_quantized.cpp",
             CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp")
+_HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h",)  # part of the cache key, not compiled alone
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _HEAD_DIMS = (64, 128)  # unrolled instances; others up to _MAX_HEAD_DIM use the generic one
@@ -80,6 +81,7 @@ _STAGE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P,
 _ELEMENTWISE_ARGTYPES = {  # model/csrc/elementwise_bf16.cpp
     "add_rms_norm_bf16": [_P, _P, _I64, _P, _P, _I64, _I64, ctypes.c_float],  # h, delta, its stride, w, out, T, H, eps
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _P, _P],  # x, x_stride, T, nheads, D, cos, sin_signed
+    "silu_mul_bf16": [_P, _I64, _P, _I64, _I64],  # gate_up, its row stride, out, T, I
 }
 
 _lock = threading.Lock()
@@ -104,7 +106,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    text = "".join(src.read_text() for src in _SOURCES)
+    text = "".join(src.read_text() for src in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256((text + version + _cpu_fingerprint()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention_{key}.so"
     if target.exists():
@@ -185,11 +187,12 @@ def stage_quantized_kernel():
 
 
 def elementwise_kernels():
-    """(add_rms_norm_bf16, rope_bf16) of model/csrc where this CPU has AVX512-BF16, else None."""
+    """(add_rms_norm_bf16, rope_bf16, silu_mul_bf16) of model/csrc where this CPU has AVX512-BF16,
+    else None."""
     lib = load_library()
     if lib is None or not lib.elementwise_bf16_available():
         return None
-    return lib.add_rms_norm_bf16, lib.rope_bf16
+    return lib.add_rms_norm_bf16, lib.rope_bf16, lib.silu_mul_bf16
 
 
 def varlen_kernel_for(dtype: torch.dtype, head_dim: int, device: torch.device):

@@ -30,6 +30,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#include "../../csrc/avx512_exp.h"  // exp512 (x <= 0 here, after the max subtraction)
 #define KVS_HAVE_BF16 1
 
 namespace {
@@ -38,22 +39,6 @@ constexpr int CHUNK = 32;  // keys per softmax step: two float32 registers (the 
                            // reductions per step cost as much as the dot products at 16);
                            // read as two halves of 16 keys, so blocks must hold 16k keys
 constexpr int TILE = 16;   // query tokens per work item (prefill)
-
-inline __m512 exp512(__m512 x) {  // x <= 0 after max subtraction; ~1e-7 relative error
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
