@@ -112,11 +112,11 @@ class LLM:
             raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got "
                             f"{type(bad).__name__}; e.g. SamplingParams(max_tokens=16)")
         if priority is not None:
-            if self.engine.args.scheduling_policy != "priority":
-                raise ValueError("priority was given but the scheduling policy is fcfs; create the LLM with "
-                                 "scheduling_policy='priority'")
             if len(priority) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+            if any(priority) and self.engine.args.scheduling_policy != "priority":  # as vLLM: 0 is no priority
+                raise ValueError(f"got priority {next(p for p in priority if p)} but the scheduling policy is "
+                                 f"fcfs; create the LLM with scheduling_policy='priority'")
         ids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
