@@ -62,18 +62,18 @@ def test_logprobs_have_vllms_shape(llm):
 def test_a_stop_token_leaves_no_text(llm):
     base = llm.generate([[5, 6, 7]], greedy(12), use_tqdm=False)[0].outputs[0]
     ids = base.token_ids
-    i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and llm.tokenizer.decode([ids[i]]))
+    i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and llm.tokenizer.decode([ids[i]], skip_special_tokens=True))
     out = llm.generate([[5, 6, 7]], greedy(12, stop_token_ids=[ids[i]]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ids[:i + 1] and out.finish_reason == "stop" and out.stop_reason == ids[i]
-    assert out.text == llm.tokenizer.decode(ids[:i])  # vLLM: the stop token's text is not output
+    assert out.text == llm.tokenizer.decode(ids[:i], skip_special_tokens=True)  # vLLM: the stop token's text is not output
     kept = llm.generate([[5, 6, 7]], greedy(12, stop_token_ids=[ids[i]], include_stop_str_in_output=True),
                         use_tqdm=False)[0].outputs[0]
-    assert kept.text == llm.tokenizer.decode(ids[:i + 1])
+    assert kept.text == llm.tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
 
 
 def test_min_tokens_holds_back_stop_strings(llm):
     base = llm.generate([[5, 6, 7]], greedy(12), use_tqdm=False)[0].outputs[0]
-    first = llm.tokenizer.decode(base.token_ids[:1])
+    first = llm.tokenizer.decode(base.token_ids[:1], skip_special_tokens=True)
     assert first
     stopped = llm.generate([[5, 6, 7]], greedy(12, stop=[first]), use_tqdm=False)[0].outputs[0]
     assert len(stopped.token_ids) == 1 and stopped.text == ""

@@ -82,8 +82,8 @@ CASES = [
     ("prompt-logprobs", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 0}, 400, ["prompt logprobs"],
      "prompt_logprobs"),
     ("chat-echo", CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, ["echo"], "echo"),
-    ("spaces-between-special-tokens-off", COMPLETIONS, {"prompt": "x", "spaces_between_special_tokens": False},
-     400, ["spaces_between_special_tokens"], "spaces_between_special_tokens"),
+    ("modalities-audio", CHAT, {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     400, ["modalities"], "modalities"),
     ("stream-options-without-stream", COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}},
      400, ["stream is true"], "stream_options"),
     ("priority-under-fcfs", COMPLETIONS, {"prompt": "x", "priority": 5}, 400, ["--scheduling-policy priority"],
@@ -116,8 +116,13 @@ def test_off_values_and_unknown_fields_are_accepted(server):
     """A vLLM parameter at its off value, or a field nobody knows, does not fail the request (vLLM
     logs and ignores unknown fields)."""
     r = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 1, "use_beam_search": False, "guided_json": None,
-                                   "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": True,
+                                   "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": False,
                                    "some_new_field": 1})
+    assert r.status_code == 200, r.text
+    # what OpenAI SDK wrappers send with every chat request, at the values that change nothing here
+    r = post(server, CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                            "parallel_tool_calls": True, "modalities": ["text"], "reasoning_effort": "low",
+                            "top_logprobs": 0, "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 200, r.text
 
 

@@ -2,6 +2,7 @@
 cached_tokens from the prefix cache."""
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -81,7 +82,8 @@ def test_truncate_prompt_tokens_and_continue_final_message(client, server):
     cont = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "continue_final_message": True,
                                                        "add_generation_prompt": False, "return_token_strs": True}).json()
     closed = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
-    assert "".join(cont["token_strs"]).endswith("The color is")  # no end-of-turn after the last message
+    # vocabulary pieces (Ġ: a leading space), and no end-of-turn after the last message
+    assert "".join(cont["token_strs"]).replace("\u0120", " ").endswith("The color is")
     assert cont["tokens"] == closed["tokens"][:cont["count"]] and closed["count"] > cont["count"]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                           extra_body={"continue_final_message": True, "add_generation_prompt": False})
@@ -166,6 +168,25 @@ def test_stop_string_and_vllm_extras(client):
         s = client.completions.create(model=MODEL, prompt="a b c d e f g h", max_tokens=20, temperature=0,
                                       stop=[stop_on])
         assert s.choices[0].finish_reason == "stop" and stop_on not in s.choices[0].text
+
+
+def test_echo_sends_the_prompt_back_as_sent(client, server):
+    prompt = "<|im_start|>user\nHi"  # special tokens included, as vLLM echoes them
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(prompt)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+    # raw stream chunks carry every key, null ones too, and one `created` (vLLM's stream)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    assert all("finish_reason" in c["choices"][0] and "logprobs" in c["choices"][0] for c in chunks)
+    assert len({c["created"] for c in chunks}) == 1
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()
+    assert detok["prompt"] == prompt  # special tokens kept, as transformers' decode and vLLM
 
 
 def test_tokenize_detokenize_round_trip(server):

@@ -199,7 +199,7 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:  # transformers' default
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:

@@ -278,7 +278,8 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
             chat = P.ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                                            continue_final_message=body.continue_final_message)
             ids = serving._chat_prompt(chat)
-        strs = [serving.token_text(t) for t in ids] if body.return_token_strs else None
+        # vocabulary pieces, as vLLM's convert_ids_to_tokens ("Ġthere"), not decoded text
+        strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return P.TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERROR_RESPONSES,

@@ -102,17 +102,18 @@ UNSUPPORTED_PARAMS = {
     **dict.fromkeys(("allowed_token_ids", "bad_words", "logits_processors"),
                     "token masks and logits processors are not implemented"),
     "prompt_logprobs": "prompt logprobs are not computed",
-    **dict.fromkeys(("chat_template", "chat_template_kwargs", "documents"),
-                    "the model's own chat template is always used, as it stands"),
+    **dict.fromkeys(("chat_template", "documents"), "the model's own chat template is always used"),
     **dict.fromkeys(("mm_processor_kwargs", "prompt_embeds", "multi_modal_data"), "only text models are served"),
     **dict.fromkeys(("kv_transfer_params", "vllm_xargs", "return_tokens_as_token_ids", "return_token_ids",
-                     "parallel_tool_calls", "functions", "function_call", "audio", "modalities", "prediction",
-                     "reasoning_effort", "web_search_options"), "not implemented by kvserve"),
+                     "functions", "function_call", "audio", "modalities", "prediction",
+                     "web_search_options"), "not implemented by kvserve"),
 }
 # Their values that mean "not used" besides null / false / empty (clients that send every default).
-OFF_VALUES = {"length_penalty": 1.0}
+OFF_VALUES = {"length_penalty": 1.0, "modalities": ["text"]}
 # Parameters accepted at exactly this value (vLLM's default); anything else is refused as above.
-ONLY_VALUE = {"spaces_between_special_tokens": True}
+# (spaces_between_special_tokens and reasoning_effort change nothing for the fast tokenizers and
+# chat templates kvserve serves: unknown to it, they are logged and ignored, as vLLM ignores them.)
+ONLY_VALUE: dict = {}
 
 
 class TextContentPart(_Strict):
@@ -141,6 +142,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM)
+    parallel_tool_calls: bool | None = None  # OpenAI's default is sent by SDKs; no tools are served anyway
 
 
 class TokenizeRequest(_Request):

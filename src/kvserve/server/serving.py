@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -55,7 +56,6 @@ class _Admitted:
     """The requests one HTTP call put into the engine (a completions batch has several prompts)."""
     request_id: str
     streams: list[RequestStream]
-    params: SamplingParams
 
     def abort(self) -> None:
         for s in self.streams:
@@ -169,11 +169,13 @@ class OpenAIServing:
             raise APIError(str(e), param=str(e).split()[0]) from None
         return params
 
-    async def _admit(self, prompts: list[list[int]], params: SamplingParams, req: P._SamplingRequest,
-                     cache_salt: str | None, prefix: str) -> _Admitted:
-        admitted = _Admitted(f"{prefix}-{uuid.uuid4().hex}", [], params)
+    async def _admit(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                     req: P._SamplingRequest, cache_salt: str | None, prefix: str) -> _Admitted:
+        """`params`: one for all prompts, or one per prompt."""
+        admitted = _Admitted(f"{prefix}-{uuid.uuid4().hex}", [])
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         try:
-            for i, ids in enumerate(prompts):
+            for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
                 rid = admitted.request_id if len(prompts) == 1 else f"{admitted.request_id}-{i}"
                 if self.config.enable_log_requests:
                     text = self.tokenizer.decode(ids, skip_special_tokens=False)[:self.config.max_log_len]
@@ -190,7 +192,8 @@ class OpenAIServing:
 
     # ----- /v1/completions -----
 
-    def _completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
+    def _completion_prompts(self, req: P.CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids of each prompt, and its text where it came as text (echo sends it back as is)."""
         p = req.prompt
         if isinstance(p, str):
             raw = [p]
@@ -204,18 +207,20 @@ class OpenAIServing:
             raise APIError(f"{len(raw)} prompts x n={req.n} = {len(raw) * req.n} choices; the limit is {P.MAX_N}",
                            param="n")
         vocab = self.tokenizer.vocab_size
-        prompts = []
+        prompts, texts = [], []
         for item in raw:
             if isinstance(item, str):
                 if not item:
                     raise APIError("prompt is empty; send at least one character", param="prompt")
                 prompts.append(self.tokenizer.encode(item))
+                texts.append(item)
             else:
                 bad = [t for t in item if not 0 <= t < vocab]
                 if bad:
                     raise APIError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
                 prompts.append(list(item))
-        return prompts
+                texts.append(None)
+        return prompts, texts
 
     async def create_completion(self, req: P.CompletionRequest, cache_salt: str | None):
         self._check_common(req)
@@ -226,16 +231,21 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise APIError("echo with logprobs needs prompt logprobs, which kvserve does not compute; "
                            "drop one of them", param="echo")
-        prompts = [self._truncated(ids, req) for ids in self._completion_prompts(req)]
-        max_tokens = [self._check_length(len(ids), req.max_tokens, "prompt") for ids in prompts]
-        params = self._sampling_params(req, min(max_tokens), req.logprobs)
+        ids, texts = self._completion_prompts(req)
+        prompts = [self._truncated(p, req) for p in ids]
+        # echo: the prompt as sent (vLLM); token ids and truncated prompts decoded, special tokens kept
+        echoes = [(t if t is not None and len(p) == len(q) else self.tokenizer.decode(q)) if req.echo else ""
+                  for t, p, q in zip(texts, ids, prompts)]
+        # one limit per prompt: a null max_tokens is the room each prompt leaves (vLLM's get_max_tokens)
+        params = [self._sampling_params(req, self._check_length(len(p), req.max_tokens, "prompt"), req.logprobs)
+                  for p in prompts]
         admitted = await self._admit(prompts, params, req, cache_salt, "cmpl")
         if req.stream:
-            return self._stream_completion(req, admitted)
+            return self._stream_completion(req, admitted, echoes)
         finals = await self._collect(admitted)
         choices = []
         for i, out in enumerate(finals):
-            prefix = self.tokenizer.decode(out.prompt_token_ids) if req.echo else ""
+            prefix = echoes[i]
             for o in out.outputs:
                 choices.append(P.CompletionChoice(
                     index=i * req.n + o.index, text=prefix + o.text, finish_reason=o.finish_reason,
@@ -244,8 +254,10 @@ class OpenAIServing:
         return P.CompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
                                     usage=self._usage(finals)).model_dump()
 
-    async def _stream_completion(self, req: P.CompletionRequest, admitted: _Admitted) -> AsyncIterator[str]:
+    async def _stream_completion(self, req: P.CompletionRequest, admitted: _Admitted,
+                                 echoes: list[str]) -> AsyncIterator[str]:
         try:
+            created = int(time.time())  # one timestamp for the whole stream, as vLLM
             finals: dict[int, object] = {}
             offsets: dict[int, int] = {}
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -261,20 +273,20 @@ class OpenAIServing:
                         finished.add(index)
                     text = o.delta_text
                     if req.echo and index not in offsets:
-                        text = self.tokenizer.decode(out.prompt_token_ids) + text
+                        text = echoes[i] + text
                     if not text and not o.finish_reason and not o.delta_logprobs:
                         continue
                     lp = self._completion_logprobs(o.delta_token_ids, o.delta_logprobs, req.logprobs,
                                                    offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(text)
-                    chunk = P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[
+                    chunk = P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[
                         P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
                                            stop_reason=o.stop_reason)])
                     if include_usage and continuous:
                         chunk.usage = self._usage(list(finals.values()))
-                    yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
+                    yield _sse(chunk.model_dump())  # every key, null ones too, as vLLM's stream
             if include_usage:
-                yield _sse(P.CompletionChunk(id=admitted.request_id, model=self.model_name, choices=[],
+                yield _sse(P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[],
                                              usage=self._usage(list(finals.values()))).model_dump())
             yield "data: [DONE]\n\n"
         finally:
@@ -286,7 +298,8 @@ class OpenAIServing:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:  # normalises the messages (chat_text_messages) before rendering
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      continue_final_message=req.continue_final_message)
+                                                      continue_final_message=req.continue_final_message,
+                                                      **(req.chat_template_kwargs or {}))
         except TokenizerError as e:
             raise APIError(str(e), param="messages") from None
         except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
@@ -299,7 +312,7 @@ class OpenAIServing:
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(f"response_format {req.response_format.type!r} is not supported; only 'text'",
                            param="response_format")
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # 0 is vLLM's default, sent by clients that send every field
             raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
         ids = self._truncated(self._chat_prompt(req), req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -320,10 +333,10 @@ class OpenAIServing:
         try:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-            rid, model = admitted.request_id, self.model_name
+            rid, model, created = admitted.request_id, self.model_name, int(time.time())
             for i in range(req.n):  # the role comes first, as OpenAI sends it
-                yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
-                    index=i, delta=P.DeltaMessage(role=self.config.response_role, content=""))]).model_dump(exclude_none=True))
+                yield _sse(_chat_chunk(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[P.ChatStreamChoice(
+                    index=i, delta=P.DeltaMessage(role=self.config.response_role, content=""))])))
             last = None
             finished: set[int] = set()  # a choice's outputs keep coming while its siblings run (n > 1)
             async for _, out in _merge(admitted):
@@ -335,15 +348,16 @@ class OpenAIServing:
                         finished.add(o.index)
                     if not o.delta_text and not o.finish_reason and not o.delta_logprobs:
                         continue
-                    chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[P.ChatStreamChoice(
+                    chunk = P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[P.ChatStreamChoice(
                         index=o.index, delta=P.DeltaMessage(content=o.delta_text), finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
                         logprobs=self._chat_logprobs(o.delta_token_ids, o.delta_logprobs, req.top_logprobs))])
                     if include_usage and continuous:
                         chunk.usage = self._usage([out])
-                    yield _sse(chunk.model_dump(exclude_none=not (include_usage and continuous)))
+                    yield _sse(_chat_chunk(chunk))
             if include_usage and last is not None:
-                yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[], usage=self._usage([last])).model_dump())
+                yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                                 usage=self._usage([last])).model_dump())
             yield "data: [DONE]\n\n"
         finally:
             admitted.abort()  # idempotent; covers a client that leaves between chunks
@@ -394,6 +408,17 @@ class OpenAIServing:
             content.append(P.ChatTokenLogprob(token=text, logprob=max(e[tid].logprob, LOGPROB_FLOOR),
                                               bytes=list(text.encode()), top_logprobs=top))
         return P.ChatLogprobs(content=content)
+
+
+def _chat_chunk(chunk: P.ChatCompletionChunk) -> dict:
+    """A chat stream chunk as vLLM sends it: finish_reason / logprobs / stop_reason present even
+    when null; the delta only with what it carries; usage only when there is some."""
+    d = chunk.model_dump()
+    for c in d["choices"]:
+        c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+    if d.get("usage") is None:
+        d.pop("usage", None)
+    return d
 
 
 def _sse(obj: dict) -> str:
