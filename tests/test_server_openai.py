@@ -189,6 +189,25 @@ def test_echo_sends_the_prompt_back_as_sent(client, server):
     assert detok["prompt"] == prompt  # special tokens kept, as transformers' decode and vLLM
 
 
+def test_continuous_usage_is_per_choice(server):
+    """stream_options.continuous_usage_stats, as vLLM: each chunk carries its own choice's counts
+    so far (the role chunks 0 completion tokens), not the sum over choices."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count"}], "max_tokens": 4, "n": 2,
+            "temperature": 1.0, "seed": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    roles = [c for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]]
+    assert len(roles) == 2 and all(c["usage"]["completion_tokens"] == 0 for c in roles)
+    seen = {0: 0, 1: 0}
+    for c in chunks:
+        if c["choices"] and "role" not in c["choices"][0]["delta"]:
+            i, n = c["choices"][0]["index"], c["usage"]["completion_tokens"]
+            assert seen[i] <= n <= 4  # one choice's running count
+            seen[i] = n
+    assert chunks[-1]["usage"]["completion_tokens"] == sum(seen.values())  # the final chunk: the total
+
+
 def test_tokenize_detokenize_round_trip(server):
     t = httpx.post(f"{server.url}/tokenize", json={"prompt": "Paged attention!"}).json()
     assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 1024

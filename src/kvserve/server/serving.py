@@ -283,7 +283,7 @@ class OpenAIServing:
                         P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
                                            stop_reason=o.stop_reason)])
                     if include_usage and continuous:
-                        chunk.usage = self._usage(list(finals.values()))
+                        chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
                     yield _sse(chunk.model_dump())  # every key, null ones too, as vLLM's stream
             if include_usage:
                 yield _sse(P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[],
@@ -320,7 +320,7 @@ class OpenAIServing:
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         admitted = await self._admit([ids], params, req, cache_salt, "chatcmpl")
         if req.stream:
-            return self._stream_chat(req, admitted)
+            return self._stream_chat(req, admitted, len(ids))
         out = (await self._collect(admitted))[0]
         choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(role=self.config.response_role, content=o.text),
                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
@@ -329,14 +329,18 @@ class OpenAIServing:
         return P.ChatCompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
                                         usage=self._usage([out])).model_dump()
 
-    async def _stream_chat(self, req: P.ChatCompletionRequest, admitted: _Admitted) -> AsyncIterator[str]:
+    async def _stream_chat(self, req: P.ChatCompletionRequest, admitted: _Admitted,
+                           prompt_len: int) -> AsyncIterator[str]:
         try:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             rid, model, created = admitted.request_id, self.model_name, int(time.time())
             for i in range(req.n):  # the role comes first, as OpenAI sends it
-                yield _sse(_chat_chunk(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[P.ChatStreamChoice(
-                    index=i, delta=P.DeltaMessage(role=self.config.response_role, content=""))])))
+                role = P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[P.ChatStreamChoice(
+                    index=i, delta=P.DeltaMessage(role=self.config.response_role, content=""))])
+                if include_usage and continuous:
+                    role.usage = self._choice_usage(prompt_len, 0, 0)
+                yield _sse(_chat_chunk(role))
             last = None
             finished: set[int] = set()  # a choice's outputs keep coming while its siblings run (n > 1)
             async for _, out in _merge(admitted):
@@ -353,7 +357,7 @@ class OpenAIServing:
                         stop_reason=o.stop_reason,
                         logprobs=self._chat_logprobs(o.delta_token_ids, o.delta_logprobs, req.top_logprobs))])
                     if include_usage and continuous:
-                        chunk.usage = self._usage([out])
+                        chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
                     yield _sse(_chat_chunk(chunk))
             if include_usage and last is not None:
                 yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
@@ -369,6 +373,12 @@ class OpenAIServing:
         async for i, out in _merge(admitted):
             finals[i] = out
         return finals
+
+    @staticmethod
+    def _choice_usage(prompt: int, completion: int, cached: int) -> P.UsageInfo:
+        """continuous_usage_stats: one choice's counts so far, as vLLM reports them per chunk."""
+        return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
     def _usage(self, finals: list) -> P.UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
