@@ -135,7 +135,7 @@ def test_user_mistakes_name_the_problem(llm):
     with pytest.raises(SamplingParamsError, match="stop_token_ids must be a list of non-negative integer"):
         SamplingParams(stop_token_ids=["13003"])
     for kwargs, message in ((dict(best_of=3), "best_of is not supported by kvserve"),
-                            (dict(prompt_logprobs=1), "prompt_logprobs is not supported by kvserve"),
+                            (dict(prompt_logprobs=-1), r"prompt_logprobs must be in \[0, "),
                             (dict(logit_bias={5: 2.0}), "logit_bias is not supported"),
                             (dict(structured_outputs={"json": {}}), "structured output is not implemented"),
                             (dict(detokenize=False), "detokenize=False is not supported")):
@@ -172,3 +172,29 @@ def test_generation_config_defaults_as_vllm(path, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({**gen, "top_p": 0.0}))
     with pytest.raises(ConfigError, match="generation_config.json gives sampling defaults .*top_p"):
         LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128)
+
+
+def test_prompt_logprobs_match_transformers(path):
+    """vLLM's prompt_logprobs: None, then each prompt token's logprob given the tokens before it
+    (with the top-k), as transformers computes it; over several prefill chunks, and the same on a
+    second run although the prompt's blocks are then in the prefix cache."""
+    import torch
+    from hf_reference import load_hf
+    hf = load_hf(path)
+    prompt = [(7 * i + 3) % 1000 + 20 for i in range(70)]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, max_model_len=256, max_num_batched_tokens=32,
+              enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    for run in range(2):
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        lps = out.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        for pos in range(1, len(prompt)):
+            entry, tok = lps[pos], prompt[pos]
+            assert abs(entry[tok].logprob - ref[pos - 1, tok].item()) < 1e-4, (run, pos)
+            assert entry[tok].rank == int((ref[pos - 1] >= ref[pos - 1, tok] - 1e-9).sum())
+            assert set(ref[pos - 1].topk(3).indices.tolist()) <= set(entry)  # the top 3 alternatives
+    assert llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
+    assert out.num_cached_tokens == 0  # scoring the prompt reads nothing from the cache

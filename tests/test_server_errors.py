@@ -79,7 +79,7 @@ CASES = [
     ("beam-search", COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, ["beam search"], "use_beam_search"),
     ("allowed-token-ids", COMPLETIONS, {"prompt": "x", "allowed_token_ids": [30]}, 400, ["allowed_token_ids"],
      "allowed_token_ids"),
-    ("prompt-logprobs", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 0}, 400, ["prompt logprobs"],
+    ("prompt-logprobs", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 0}, 400, ["echo and logprobs"],
      "prompt_logprobs"),
     ("chat-echo", CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, ["echo"], "echo"),
     ("modalities-audio", CHAT, {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},

@@ -189,6 +189,23 @@ def test_echo_sends_the_prompt_back_as_sent(client, server):
     assert detok["prompt"] == prompt  # special tokens kept, as transformers' decode and vLLM
 
 
+def test_echo_with_logprobs_scores_the_prompt(client):
+    """lm-eval's log-likelihood request: echo + logprobs returns the prompt's tokens with their
+    logprobs (None for the first) before the output's, streamed or not."""
+    kw = dict(model=MODEL, prompt="The capital of France is Paris", max_tokens=1, temperature=0, echo=True,
+              logprobs=1)
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == r.choices[0].text and r.choices[0].text.startswith(kw["prompt"])
+    assert lp.text_offset == sorted(lp.text_offset)
+    streamed = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    slp = [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert slp[0] is None and slp[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
 def test_continuous_usage_is_per_choice(server):
     """stream_options.continuous_usage_stats, as vLLM: each chunk carries its own choice's counts
     so far (the role chunks 0 completion tokens), not the sum over choices."""

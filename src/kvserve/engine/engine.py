@@ -46,6 +46,10 @@ class _Sequence:
     new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     reported_finish: bool = False
+    # vLLM's prompt_logprobs (sequence 0 only): None for the first token, then one dict per token
+    # as the prefill chunks compute them; `prompt_scored` counts the filled positions.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_scored: int = 0
 
 
 @dataclass
@@ -132,7 +136,10 @@ class LLMEngine:
         seqs: list[_Sequence] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            p = dataclasses.replace(params, n=1, seed=seed, best_of=None)
+            # Sequence 0 computes the prompt logprobs (without prefix-cache reads); the others
+            # share its prompt blocks as usual.
+            p = dataclasses.replace(params, n=1, seed=seed, best_of=None,
+                                    prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, prompt_ids, p, eos_token_ids=eos, arrival_time=arrival,
                           priority=priority, cache_salt=cache_salt,
@@ -140,7 +147,11 @@ class LLMEngine:
                           else f"{request_id}#0")
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
                                            p.include_stop_str_in_output)
-            seqs.append(_Sequence(req, i, detok, [] if p.logprobs is not None else None))
+            seq = _Sequence(req, i, detok, [] if p.logprobs is not None else None)
+            if p.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None] * len(prompt_ids)
+                req.skip_prefix_cache = len(prompt_ids) > 1
+            seqs.append(seq)
         group = _Group(request_id, prompt_text, prompt_ids, seqs, arrival)
         self._groups[request_id] = group
         for s in seqs:
@@ -237,6 +248,9 @@ class LLMEngine:
             self.kv.check_integrity()
         now = time.monotonic()
         groups: dict[str, _Group] = {}
+        for rid, chunk in result.prompt_logprobs.items():
+            if rid in self._seq_of:
+                self._add_prompt_logprobs(self._seq_of[rid], chunk)
         for req in touched:
             seq = self._seq_of[req.request_id]
             tok = result.sampled[req.request_id]
@@ -269,6 +283,21 @@ class LLMEngine:
             group = self._group_of[req.request_id]
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
         return [self._make_output(g) for g in groups.values()]
+
+    def _add_prompt_logprobs(self, seq: _Sequence, chunk) -> None:
+        """File a prefill chunk's prompt logprobs by position (a recomputed chunk overwrites)."""
+        prompt, text = seq.req.prompt_token_ids, self.token_text
+        for j, (lp, rank, top) in enumerate(zip(chunk.logprobs, chunk.ranks, chunk.top)):
+            pos = chunk.start + j
+            tok = prompt[pos]
+            entry = {tok: Logprob(lp, rank, text(tok))}
+            for r, (t, v) in enumerate(top.items(), start=1):
+                entry.setdefault(t, Logprob(v, r, text(t)))
+            if seq.prompt_logprobs[pos] is None:
+                seq.prompt_scored += 1
+            seq.prompt_logprobs[pos] = entry
+        if seq.prompt_scored == len(prompt) - 1:
+            seq.req.skip_prefix_cache = False  # all scored: a resume may read the cache again
 
     def _logprobs_entry(self, tok) -> dict[int, Logprob]:
         """vLLM's per-token dict: the sampled token first, then the top-k by rank."""
@@ -311,8 +340,12 @@ class LLMEngine:
             for s in group.seqs:
                 self._seq_of.pop(s.req.request_id, None)
                 self._group_of.pop(s.req.request_id, None)
+        first_seq = group.seqs[0]
+        prompt_lps = first_seq.prompt_logprobs
+        if prompt_lps is not None and first_seq.prompt_scored < len(prompt_lps) - 1:
+            prompt_lps = None  # still being computed (an abort mid-prefill ends here too)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, done,
-                             metrics.num_cached_tokens, metrics)
+                             metrics.num_cached_tokens, metrics, prompt_logprobs=prompt_lps)
 
     # -- observability ----------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -12,13 +12,16 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.engine.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from kvserve.model.attention.base import AttentionMetadata, build_attention_metadata
 from kvserve.model.attention.triton_backend import select_attention_backend
 from kvserve.model.host_alloc import tune_malloc_for_inference
 from kvserve.model.kv_cache import create_kv_cache
 from kvserve.model.llama import LlamaModel
-from kvserve.model.sampler import Sampler, SamplingRow
+from kvserve.model.sampler import Sampler, SamplingRow, token_logprobs
+
+# Rows of prompt logits computed at a time for prompt logprobs: 256 x 49,152 float32 is 50 MB.
+PROMPT_LOGITS_ROWS = 256
 
 
 class ModelRunner:
@@ -74,10 +77,11 @@ class ModelRunner:
         input_ids, meta = self.build_metadata(out)
         hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
         self.kv_cache.finish_step()
+        prompt_lps = self._prompt_logprobs(out, hidden, meta)
 
         sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
         if not sampling:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_lps)
         last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
         if self._logits.shape[0] < len(sampling):  # grows to the largest batch, then is reused
             self._logits = torch.empty(len(sampling), self.model.lm_head.out_features, dtype=torch.float32,
@@ -86,4 +90,28 @@ class ModelRunner:
         rows = [SamplingRow(s.request.request_id, s.request.sampling_params, s.request.prompt_token_ids,
                             s.request.output_token_ids, s.request.eos_token_ids) for _, s in sampling]
         tokens = self.sampler(logits, rows)
-        return ModelRunnerOutput(sampled={r.request_id: t for r, t in zip(rows, tokens)})
+        return ModelRunnerOutput(sampled={r.request_id: t for r, t in zip(rows, tokens)}, prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
+                         ) -> dict[str, PromptLogprobs]:
+        """For requests with prompt_logprobs: the logprob of each prompt token this chunk can
+        score (row j's logits score token j + 1), computed PROMPT_LOGITS_ROWS rows at a time."""
+        result = {}
+        for i, s in enumerate(out.scheduled):
+            k = s.request.sampling_params.prompt_logprobs
+            prompt = s.request.prompt_token_ids
+            end = min(s.start_pos + s.num_new_tokens, len(prompt) - 1)
+            if k is None or end <= s.start_pos:
+                continue
+            first_row = int(meta.query_start_loc[i])
+            chunk = PromptLogprobs(s.start_pos + 1, [], [], [])
+            for lo in range(s.start_pos, end, PROMPT_LOGITS_ROWS):
+                hi = min(lo + PROMPT_LOGITS_ROWS, end)
+                rows = hidden[first_row + lo - s.start_pos:first_row + hi - s.start_pos]
+                targets = torch.tensor(prompt[lo + 1:hi + 1], device=self.device)
+                lps, ranks, top = token_logprobs(self.model.compute_logits(rows), targets, k)
+                chunk.logprobs.extend(lps)
+                chunk.ranks.extend(ranks)
+                chunk.top.extend(top)
+            result[s.request.request_id] = chunk
+        return result

@@ -72,7 +72,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
-    prompt_logprobs: None = None  # vLLM's field; kvserve refuses prompt_logprobs requests
+    # vLLM's: with SamplingParams.prompt_logprobs, None for the first prompt token, then per token
+    # {token_id: Logprob} (the prompt token and the top prompt_logprobs alternatives).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def ttft(self) -> float | None:

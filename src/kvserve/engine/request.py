@@ -38,6 +38,9 @@ class Request:
     lora_id: str | None = None
     # n > 1: children wait until this request's prompt is in the cache, then share its blocks.
     parent_id: str | None = None
+    # Prompt logprobs need the logits of every prompt position: no prefix-cache reads until they
+    # are all computed (a swap-in still resumes; its positions were computed before).
+    skip_prefix_cache: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

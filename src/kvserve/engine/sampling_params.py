@@ -28,12 +28,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (computed, not cached)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM fields kvserve does not implement: accepted at their "off" value, refused otherwise
     # (a script that sets one must not get output that silently ignored it).
     best_of: int | None = None
-    prompt_logprobs: int | None = None
     logit_bias: dict | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -61,7 +61,7 @@ class SamplingParams:
         self.validate(max_logprobs=sys.maxsize, max_n=sys.maxsize)
 
     def _check_unimplemented(self) -> None:
-        off = {"prompt_logprobs": "prompt logprobs are not computed", "logit_bias": "logit bias is not implemented",
+        off = {"logit_bias": "logit bias is not implemented",
                "allowed_token_ids": "allowed_token_ids is not implemented",
                "bad_words": "bad_words is not implemented",
                "structured_outputs": "structured output is not implemented",
@@ -94,7 +94,7 @@ class SamplingParams:
         self._check_unimplemented()
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             number(name)
-        for name in ("top_k", "min_tokens", "max_tokens", "seed", "logprobs"):
+        for name in ("top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise bad(name, f"must be an integer, got {v!r}")
@@ -129,5 +129,7 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise bad("logprobs", f"must be in [0, {max_logprobs}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            raise bad("prompt_logprobs", f"must be in [0, {max_logprobs}], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")

@@ -78,6 +78,15 @@ class SampledToken(NamedTuple):
     rank: int | None = None  # token_id's 1-based place in the vocabulary by logprob (with logprobs)
 
 
+class PromptLogprobs(NamedTuple):
+    """Logprobs of prompt tokens [start, start + n) given the tokens before each (positions >= 1)."""
+    start: int
+    logprobs: list[float]  # of the prompt token at each position
+    ranks: list[int]
+    top: list[dict[int, float]]  # top-k alternatives per position, best first (empty when k = 0)
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # only for sample=True entries
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that ask

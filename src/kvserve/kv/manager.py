@@ -102,7 +102,7 @@ class KVCacheManager:
         if self.req_blocks.get(req.request_id):
             return EMPTY_HIT
         swapped = self._swapped.get(req.request_id)
-        if not self.enable_caching:
+        if not self.enable_caching or req.skip_prefix_cache:
             return self._swap_hit(req, swapped, [], 0) if swapped and use_tiers else EMPTY_HIT
         bs = self.block_size
         tokens = req.all_token_ids

@@ -91,6 +91,20 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int
+                   ) -> tuple[list[float], list[int], list[dict[int, float]]]:
+    """Raw log-softmax of `targets` [N] under `logits` [N, vocab], their vLLM ranks (tokens at
+    least as likely) and the top-k alternatives per row, best first: prompt logprobs."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(1, targets[:, None])
+    ranks = (lp >= chosen).sum(dim=1).tolist()
+    top: list[dict[int, float]] = [{} for _ in range(len(targets))]
+    if k:
+        vals, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+        top = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return chosen[:, 0].tolist(), ranks, top
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -101,7 +101,7 @@ UNSUPPORTED_PARAMS = {
     **dict.fromkeys(("use_beam_search", "length_penalty", "early_stopping"), "beam search is not implemented"),
     **dict.fromkeys(("allowed_token_ids", "bad_words", "logits_processors"),
                     "token masks and logits processors are not implemented"),
-    "prompt_logprobs": "prompt logprobs are not computed",
+    "prompt_logprobs": "as a request field it is not implemented; completions with echo and logprobs score the prompt",
     **dict.fromkeys(("chat_template", "documents"), "the model's own chat template is always used"),
     **dict.fromkeys(("mm_processor_kwargs", "prompt_embeds", "multi_modal_data"), "only text models are served"),
     **dict.fromkeys(("kv_transfer_params", "vllm_xargs", "return_tokens_as_token_ids", "return_token_ids",

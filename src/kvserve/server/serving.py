@@ -143,7 +143,8 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    def _sampling_params(self, req: P._SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, req: P._SamplingRequest, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         if logprobs is not None and logprobs > self.config.max_logprobs:
             raise APIError(f"logprobs must be <= {self.config.max_logprobs} (--max-logprobs), got {logprobs}",
                            param="logprobs")
@@ -163,7 +164,7 @@ class OpenAIServing:
                 max_tokens=min(max_tokens, d.get("max_tokens", max_tokens)), min_tokens=req.min_tokens, stop=req.stop or [],
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens)
+                skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs)
             params.validate(max_logprobs=self.config.max_logprobs, max_n=P.MAX_N)
         except SamplingParamsError as e:
             raise APIError(str(e), param=str(e).split()[0]) from None
@@ -228,17 +229,16 @@ class OpenAIServing:
             raise APIError("suffix is not supported by kvserve; remove it", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of is not supported (vLLM V1 dropped it too); use n", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo with logprobs needs prompt logprobs, which kvserve does not compute; "
-                           "drop one of them", param="echo")
         ids, texts = self._completion_prompts(req)
         prompts = [self._truncated(p, req) for p in ids]
         # echo: the prompt as sent (vLLM); token ids and truncated prompts decoded, special tokens kept
         echoes = [(t if t is not None and len(p) == len(q) else self.tokenizer.decode(q)) if req.echo else ""
                   for t, p, q in zip(texts, ids, prompts)]
         # one limit per prompt: a null max_tokens is the room each prompt leaves (vLLM's get_max_tokens)
-        params = [self._sampling_params(req, self._check_length(len(p), req.max_tokens, "prompt"), req.logprobs)
-                  for p in prompts]
+        # echo with logprobs scores the prompt too (lm-eval's log-likelihood requests)
+        scored = req.logprobs if req.echo else None
+        params = [self._sampling_params(req, self._check_length(len(p), req.max_tokens, "prompt"), req.logprobs,
+                                        prompt_logprobs=scored) for p in prompts]
         admitted = await self._admit(prompts, params, req, cache_salt, "cmpl")
         if req.stream:
             return self._stream_completion(req, admitted, echoes)
@@ -247,10 +247,10 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             prefix = echoes[i]
             for o in out.outputs:
+                ids, lps = self._echoed(req, out, o.token_ids, o.logprobs)
                 choices.append(P.CompletionChoice(
                     index=i * req.n + o.index, text=prefix + o.text, finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason,
-                    logprobs=self._completion_logprobs(o.token_ids, o.logprobs, req.logprobs, 0)))
+                    stop_reason=o.stop_reason, logprobs=self._completion_logprobs(ids, lps, req.logprobs, 0)))
         return P.CompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
                                     usage=self._usage(finals)).model_dump()
 
@@ -271,13 +271,13 @@ class OpenAIServing:
                         continue
                     if o.finish_reason:
                         finished.add(index)
-                    text = o.delta_text
+                    text, ids, lps = o.delta_text, o.delta_token_ids, o.delta_logprobs
                     if req.echo and index not in offsets:
                         text = echoes[i] + text
+                        ids, lps = self._echoed(req, out, ids, lps)
                     if not text and not o.finish_reason and not o.delta_logprobs:
                         continue
-                    lp = self._completion_logprobs(o.delta_token_ids, o.delta_logprobs, req.logprobs,
-                                                   offsets.get(index, 0))
+                    lp = self._completion_logprobs(ids, lps, req.logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(text)
                     chunk = P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[
                         P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
@@ -393,6 +393,13 @@ class OpenAIServing:
         token, then the top-k by rank. vLLM's completions send n = k + 1, its chat n = k."""
         return [(lp.decoded_token, max(lp.logprob, LOGPROB_FLOOR)) for lp in list(entry.values())[:n]]
 
+    @staticmethod
+    def _echoed(req: P.CompletionRequest, out, token_ids: list[int], entries) -> tuple[list[int], list | None]:
+        """echo + logprobs: the prompt's tokens and logprobs (None for the first) before the output's."""
+        if not req.echo or entries is None or out.prompt_logprobs is None:
+            return token_ids, entries
+        return list(out.prompt_token_ids) + list(token_ids), list(out.prompt_logprobs) + list(entries)
+
     def _completion_logprobs(self, token_ids: list[int], entries, k: int | None,
                              start_offset: int) -> P.CompletionLogprobs | None:
         if entries is None:
@@ -400,12 +407,12 @@ class OpenAIServing:
         lp = P.CompletionLogprobs()
         offset = start_offset
         for tid, e in zip(token_ids, entries):
-            text = e[tid].decoded_token
+            text = self.token_text(tid) if e is None else e[tid].decoded_token
             lp.tokens.append(text)
-            lp.token_logprobs.append(max(e[tid].logprob, LOGPROB_FLOOR))
+            lp.token_logprobs.append(None if e is None else max(e[tid].logprob, LOGPROB_FLOOR))
             lp.text_offset.append(offset)
             offset += len(text)
-            lp.top_logprobs.append(dict(self._top(e, (k or 0) + 1)))
+            lp.top_logprobs.append(None if e is None else dict(self._top(e, (k or 0) + 1)))
         return lp
 
     def _chat_logprobs(self, token_ids: list[int], entries, k: int | None) -> P.ChatLogprobs | None:
