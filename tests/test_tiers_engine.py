@@ -189,6 +189,26 @@ def test_blocks_still_on_device_are_written_down_at_shutdown(tiny, ref, tmp_path
         second.engine.close()
 
 
+def test_an_engine_never_closed_writes_its_blocks_at_exit(tiny, ref, tmp_path):
+    """An offline script that never calls close(): its cached blocks reach disk at interpreter exit."""
+    import subprocess
+    import sys
+    path, _ = tiny
+    disk = dict(kv_disk_path=str(tmp_path / "kv"), kv_disk_size="64MiB")
+    prompt = documents_workload(seed=4)[0][0]
+    script = (f"from kvserve import LLM, SamplingParams\n"
+              f"llm = LLM({path!r}, **{SMALL!r}, **{disk!r})\n"
+              f"llm.generate([{prompt!r}], SamplingParams(temperature=0, max_tokens={GEN}), use_tqdm=False)\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    second = LLM(path, **SMALL, **disk)
+    try:
+        out = second.generate([prompt], greedy(), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref(prompt)
+        assert second.engine.get_stats().tier_hits["disk"] >= 320
+    finally:
+        second.engine.close()
+
+
 def test_redis_shared_between_two_engines(tiny, ref, redis_server):
     path, _ = tiny
     redis_server_flush(redis_server)

@@ -35,6 +35,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "RequestError", "RequestOutput", "CompletionOutput", "EngineStats"]
 
 
+def _shutdown_tiers(kv: KVCacheManager, transfer, tiers) -> None:
+    """The engine's tiers at shutdown: the blocks still in the pool are written to disk / Redis
+    (they only go down on eviction otherwise), then the tiers close. Holds no engine reference."""
+    if transfer is not None and tiers.lower:
+        written = transfer.persist(kv.cached_blocks())
+        if written:
+            logger.info("shutdown: %d cached KV blocks written to the %s tier(s)", written,
+                        "/".join(t.name for t in tiers.lower))
+    tiers.close()
+
+
 @dataclass
 class _Sequence:
     """One of a request's n output sequences."""
@@ -82,10 +93,12 @@ class LLMEngine:
                 raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
                                   "build_engine_parts, or set EngineSetup.fingerprint")
             self.kv_tiers, self.kv_transfer = build_kv_tiers(args, setup.fingerprint, self.runner.kv_cache)
-            # An engine dropped without close() still drains its writer and unlocks its directory.
-            self._close_tiers = weakref.finalize(self, self.kv_tiers.close)
         self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
                                  args.kv_cache_dtype, tiers=self.kv_tiers)
+        if self.kv_tiers is not None:
+            # close(), or an engine dropped without it (garbage collection, interpreter exit):
+            # the pool's cached blocks go down too, the writer drains, the directory unlocks.
+            self._close_tiers = weakref.finalize(self, _shutdown_tiers, self.kv, self.kv_transfer, self.kv_tiers)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.resolved_max_num_batched_tokens(self.max_model_len),
@@ -218,15 +231,10 @@ class LLMEngine:
 
     def close(self) -> None:
         """Write the pool's cached blocks and the queued ones down to disk / Redis, then release
-        the tiers (the disk tier's directory lock). The server calls it at shutdown."""
-        if self.kv_tiers is None or not self._close_tiers.alive:
-            return
-        if self.kv_transfer is not None and self.kv_tiers.lower:
-            written = self.kv_transfer.persist(self.kv.cached_blocks())
-            if written:
-                logger.info("shutdown: %d cached KV blocks written to the %s tier(s)", written,
-                            "/".join(t.name for t in self.kv_tiers.lower))
-        self._close_tiers()
+        the tiers (the disk tier's directory lock). The server calls it at shutdown; an engine
+        never closed does it when collected or at interpreter exit."""
+        if self.kv_tiers is not None:
+            self._close_tiers()  # a finalizer: runs once
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
