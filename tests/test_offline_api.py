@@ -169,6 +169,11 @@ def test_generation_config_defaults_as_vllm(path, tmp_path):
     assert len(runs[0]) <= 4 and runs[0] == runs[1]  # top_k=1: greedy whatever the temperature
     off = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128, generation_config="vllm")
     assert off.get_default_sampling_params() == SamplingParams()
+    other = tmp_path / "gen"  # vLLM's --generation-config DIR: that folder's file instead of the model's
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    folder = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128, generation_config=str(other))
+    assert folder.get_default_sampling_params() == SamplingParams(temperature=0.3)
     (d / "generation_config.json").write_text(json.dumps({**gen, "top_p": 0.0}))
     with pytest.raises(ConfigError, match="generation_config.json gives sampling defaults .*top_p"):
         LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128)

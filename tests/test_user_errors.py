@@ -102,7 +102,7 @@ def test_vllm_serve_flags_refused_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_generation_config_folder_is_refused_with_the_reason():
+def test_generation_config_folder_without_the_file_is_refused(tmp_path):
     from kvserve.config import ConfigError, EngineArgs
-    with pytest.raises(ConfigError, match="a separate folder is not supported"):
-        EngineArgs(generation_config="/some/dir").validate()
+    with pytest.raises(ConfigError, match="a folder holding a generation_config.json; '.*' has none"):
+        EngineArgs(generation_config=str(tmp_path)).validate()

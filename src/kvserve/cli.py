@@ -37,9 +37,9 @@ _HELP = {
     "device": "where the model runs",
     "seed": "engine-wide random seed (per-request `seed` overrides it)",
     "attention_backend": "attention kernels: torch (portable) or triton (CUDA)",
-    "generation_config": "auto (or vllm): requests that leave temperature, top_p, top_k, min_p, "
-                         "repetition_penalty or max_tokens unset take the model's generation_config.json values, "
-                         "as vLLM; vllm: ignore them",
+    "generation_config": "auto: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or "
+                         "max_tokens unset take the model's generation_config.json values, as vLLM; vllm: "
+                         "ignore them; a folder: take its generation_config.json's",
     "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
                             "per group (cascade attention, CPU bf16 kernel; on by default)",
     "served_model_name": "name(s) clients send as `model` (default: the model path)",

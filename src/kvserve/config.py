@@ -172,7 +172,8 @@ class EngineArgs:
     max_logprobs: int = 20
     # vLLM's default "auto": the model's generation_config.json sampling values (temperature, top_p,
     # top_k, min_p, repetition_penalty, max_new_tokens) are LLM.generate's sampling parameters when
-    # none are given, and the server's defaults for fields a request leaves unset; "vllm" ignores them.
+    # none are given, and the server's defaults for fields a request leaves unset; "vllm" ignores
+    # them; a folder path reads its generation_config.json instead of the model's.
     generation_config: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     # vLLM's flag: attend shared prefixes per sequence instead of once per group of decodes
@@ -186,10 +187,11 @@ class EngineArgs:
         if self.kv_cache_dtype == "fp8":
             # vLLM's alias: one spelling, so block hashes and tier keys of the same format agree.
             self.kv_cache_dtype = "fp8_e4m3"
-        if self.generation_config not in ("auto", "vllm"):
-            raise ConfigError(f"--generation-config must be 'auto' (the model's generation_config.json) or "
-                              f"'vllm' (vLLM's defaults); a separate folder is not supported "
-                              f"(got {self.generation_config!r})")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise ConfigError(f"--generation-config must be 'auto' (the model's generation_config.json), 'vllm' "
+                              f"(vLLM's defaults) or a folder holding a generation_config.json; "
+                              f"{self.generation_config!r} has none")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)} (got {self.scheduling_policy!r})")
         if self.preemption_mode is None:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import numbers
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -115,8 +116,15 @@ class LLMEngine:
         self.last_step_tokens = 0
 
     def _sampling_defaults(self, args: EngineArgs) -> dict:
-        """The model's generation_config.json sampling values, under --generation-config auto."""
-        defaults = self.model_config.sampling_defaults if args.generation_config == "auto" else {}
+        """The generation_config.json sampling values: the model's (--generation-config auto), a
+        folder's (--generation-config DIR), or none (vllm)."""
+        if args.generation_config == "auto":
+            defaults = self.model_config.sampling_defaults
+        elif args.generation_config == "vllm":
+            defaults = {}
+        else:
+            from kvserve.model.loader import read_sampling_defaults
+            defaults = read_sampling_defaults(os.path.join(args.generation_config, "generation_config.json"))
         if defaults:
             try:
                 SamplingParams(**defaults)

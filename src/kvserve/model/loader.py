@@ -52,6 +52,16 @@ _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_
                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+def read_sampling_defaults(path: str | Path) -> dict:
+    """`sampling_defaults` of a generation_config.json file; an unreadable file gives none, with a
+    warning, as vLLM falls back."""
+    try:
+        return sampling_defaults(json.loads(Path(path).read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("%s cannot be read (%s); ignoring it", path, e)
+        return {}
+
+
 def sampling_defaults(generation_config: dict) -> dict:
     """The generation_config.json values vLLM's `--generation-config auto` applies, as SamplingParams
     fields; HF's generation-only flags (do_sample, num_beams, ...) are not among them, as in vLLM."""
