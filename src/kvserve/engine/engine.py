@@ -123,8 +123,9 @@ class LLMEngine:
         elif args.generation_config == "vllm":
             defaults = {}
         else:
-            from kvserve.model.loader import read_sampling_defaults
-            defaults = read_sampling_defaults(os.path.join(args.generation_config, "generation_config.json"))
+            from kvserve.model.loader import read_generation_config, sampling_defaults
+            defaults = sampling_defaults(read_generation_config(os.path.join(args.generation_config,
+                                                                             "generation_config.json")))
         if defaults:
             try:
                 SamplingParams(**defaults)
@@ -276,7 +277,7 @@ class LLMEngine:
             self.generation_tokens_total += 1
             seq.new_token_ids.append(tok.token_id)
             if seq.logprobs is not None:
-                entry = self._logprobs_entry(tok)
+                entry = self._logprobs_entry(tok.token_id, tok.logprob, tok.rank, tok.top_logprobs)
                 seq.logprobs.append(entry)
                 seq.new_logprobs.append(entry)
                 seq.cumulative_logprob += tok.logprob
@@ -302,26 +303,22 @@ class LLMEngine:
 
     def _add_prompt_logprobs(self, seq: _Sequence, chunk) -> None:
         """File a prefill chunk's prompt logprobs by position (a recomputed chunk overwrites)."""
-        prompt, text = seq.req.prompt_token_ids, self.token_text
+        prompt = seq.req.prompt_token_ids
         for j, (lp, rank, top) in enumerate(zip(chunk.logprobs, chunk.ranks, chunk.top)):
             pos = chunk.start + j
-            tok = prompt[pos]
-            entry = {tok: Logprob(lp, rank, text(tok))}
-            for r, (t, v) in enumerate(top.items(), start=1):
-                entry.setdefault(t, Logprob(v, r, text(t)))
             if seq.prompt_logprobs[pos] is None:
                 seq.prompt_scored += 1
-            seq.prompt_logprobs[pos] = entry
+            seq.prompt_logprobs[pos] = self._logprobs_entry(prompt[pos], lp, rank, top)
         if seq.prompt_scored == len(prompt) - 1:
             seq.req.skip_prefix_cache = False  # all scored: a resume may read the cache again
 
-    def _logprobs_entry(self, tok) -> dict[int, Logprob]:
-        """vLLM's per-token dict: the sampled token first, then the top-k by rank."""
+    def _logprobs_entry(self, token_id: int, logprob: float, rank: int | None,
+                        top: dict[int, float] | None) -> dict[int, Logprob]:
+        """vLLM's per-token dict: the token itself first, then the top-k (best first) by rank."""
         text = self.token_text
-        entry = {tok.token_id: Logprob(tok.logprob, tok.rank, text(tok.token_id))}
-        for rank, (t, lp) in enumerate((tok.top_logprobs or {}).items(), start=1):
-            if t not in entry:
-                entry[t] = Logprob(lp, rank, text(t))
+        entry = {token_id: Logprob(logprob, rank, text(token_id))}
+        for r, (t, lp) in enumerate((top or {}).items(), start=1):
+            entry.setdefault(t, Logprob(lp, r, text(t)))
         return entry
 
     def _make_output(self, group: _Group) -> RequestOutput:

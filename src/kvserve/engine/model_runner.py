@@ -109,7 +109,8 @@ class ModelRunner:
                 hi = min(lo + PROMPT_LOGITS_ROWS, end)
                 rows = hidden[first_row + lo - s.start_pos:first_row + hi - s.start_pos]
                 targets = torch.tensor(prompt[lo + 1:hi + 1], device=self.device)
-                lps, ranks, top = token_logprobs(self.model.compute_logits(rows), targets, k)
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), -1)
+                lps, ranks, top = token_logprobs(logprobs, targets, k)
                 chunk.logprobs.extend(lps)
                 chunk.ranks.extend(ranks)
                 chunk.top.extend(top)

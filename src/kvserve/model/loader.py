@@ -52,11 +52,11 @@ _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_
                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def read_sampling_defaults(path: str | Path) -> dict:
-    """`sampling_defaults` of a generation_config.json file; an unreadable file gives none, with a
-    warning, as vLLM falls back."""
+def read_generation_config(path: str | Path) -> dict:
+    """A generation_config.json; one that cannot be read or parsed is {} with a warning: as vLLM,
+    the model still loads, without the file's values."""
     try:
-        return sampling_defaults(json.loads(Path(path).read_text()))
+        return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         log.warning("%s cannot be read (%s); ignoring it", path, e)
         return {}
@@ -239,11 +239,7 @@ def load_hf_directory(directory: str | Path, dtype: torch.dtype = torch.float32)
     config = model_config_from_hf(cfg, name=directory.name)
     gen_file = directory / "generation_config.json"
     if gen_file.is_file():
-        try:
-            gen = json.loads(gen_file.read_text())
-        except json.JSONDecodeError as e:  # as vLLM: the model still loads, without the file's values
-            log.warning("%s is not valid JSON (%s); ignoring it", gen_file, e)
-            gen = {}
+        gen = read_generation_config(gen_file)
         # chat models often list extra stop ids (e.g. <|eot_id|>) only here
         extra = _eos_list(gen.get("eos_token_id"))
         config.eos_token_ids = list(dict.fromkeys([*config.eos_token_ids, *extra]))

@@ -12,6 +12,7 @@ which other requests share the batch; unseeded requests share the engine generat
 """
 from __future__ import annotations
 
+import itertools
 from typing import Collection, NamedTuple, Sequence
 
 import numpy as np
@@ -91,11 +92,11 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int
+def token_logprobs(lp: torch.Tensor, targets: torch.Tensor, k: int
                    ) -> tuple[list[float], list[int], list[dict[int, float]]]:
-    """Raw log-softmax of `targets` [N] under `logits` [N, vocab], their vLLM ranks (tokens at
-    least as likely) and the top-k alternatives per row, best first: prompt logprobs."""
-    lp = torch.log_softmax(logits.float(), -1)
+    """From log-probabilities `lp` [N, vocab]: those of `targets` [N], their vLLM ranks (tokens at
+    least as likely) and the top-k alternatives per row, best first. Sampled tokens' logprobs
+    and prompt logprobs both come from here."""
     chosen = lp.gather(1, targets[:, None])
     ranks = (lp >= chosen).sum(dim=1).tolist()
     top: list[dict[int, float]] = [{} for _ in range(len(targets))]
@@ -192,15 +193,10 @@ class Sampler:
         out = [SampledToken(t) for t in ids]
         if raw_logprobs is None:
             return out
-        chosen_t = raw_logprobs.gather(1, token_ids[lp_rows][:, None])
-        chosen = chosen_t[:, 0].tolist()
-        ranks = (raw_logprobs >= chosen_t).sum(dim=1).tolist()  # vLLM's rank: tokens at least as likely
-        max_k = min(max(rows[i].params.logprobs for i in lp_rows), raw_logprobs.shape[1])
-        top_vals, top_ids = (raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None))
+        max_k = max(rows[i].params.logprobs for i in lp_rows)
+        chosen, ranks, tops = token_logprobs(raw_logprobs, token_ids[lp_rows], max_k)
         for j, i in enumerate(lp_rows):
             k = rows[i].params.logprobs
-            top = None
-            if k:
-                top = dict(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist()))
+            top = dict(itertools.islice(tops[j].items(), k)) if k else None
             out[i] = SampledToken(ids[i], chosen[j], top, ranks[j])
         return out

@@ -211,8 +211,8 @@ class Tokenizer:
     # transformers' spellings, which vLLM scripts use on `llm.get_tokenizer()`
     def convert_tokens_to_ids(self, tokens: str | Iterable[str]) -> int | None | list[int | None]:
         if isinstance(tokens, str):
-            return self.backend.token_to_id(tokens)
-        return [self.backend.token_to_id(t) for t in tokens]
+            return self.token_to_id(tokens)
+        return [self.token_to_id(t) for t in tokens]
 
     def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]

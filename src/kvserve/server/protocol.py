@@ -110,10 +110,8 @@ UNSUPPORTED_PARAMS = {
 }
 # Their values that mean "not used" besides null / false / empty (clients that send every default).
 OFF_VALUES = {"length_penalty": 1.0, "modalities": ["text"]}
-# Parameters accepted at exactly this value (vLLM's default); anything else is refused as above.
 # (spaces_between_special_tokens and reasoning_effort change nothing for the fast tokenizers and
 # chat templates kvserve serves: unknown to it, they are logged and ignored, as vLLM ignores them.)
-ONLY_VALUE: dict = {}
 
 
 class TextContentPart(_Strict):

@@ -85,11 +85,7 @@ class OpenAIServing:
         ignored = []
         for name, value in (req.model_extra or {}).items():
             why = (refused or {}).get(name) or P.UNSUPPORTED_PARAMS.get(name)
-            if name in P.ONLY_VALUE:
-                if value != P.ONLY_VALUE[name]:
-                    raise APIError(f"{name}={value!r} is not supported by kvserve (only {P.ONLY_VALUE[name]!r}); "
-                                   "remove it", param=name)
-            elif why is not None:
+            if why is not None:
                 if not _is_off(value) and value != P.OFF_VALUES.get(name, None):
                     raise APIError(f"{name} is not supported by kvserve: {why}; remove it", param=name)
             else:
@@ -170,11 +166,9 @@ class OpenAIServing:
             raise APIError(str(e), param=str(e).split()[0]) from None
         return params
 
-    async def _admit(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+    async def _admit(self, prompts: list[list[int]], per_prompt: list[SamplingParams],
                      req: P._SamplingRequest, cache_salt: str | None, prefix: str) -> _Admitted:
-        """`params`: one for all prompts, or one per prompt."""
         admitted = _Admitted(f"{prefix}-{uuid.uuid4().hex}", [])
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         try:
             for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
                 rid = admitted.request_id if len(prompts) == 1 else f"{admitted.request_id}-{i}"
@@ -318,7 +312,7 @@ class OpenAIServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_length(len(ids), requested, "messages")
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        admitted = await self._admit([ids], params, req, cache_salt, "chatcmpl")
+        admitted = await self._admit([ids], [params], req, cache_salt, "chatcmpl")
         if req.stream:
             return self._stream_chat(req, admitted, len(ids))
         out = (await self._collect(admitted))[0]
