@@ -206,6 +206,49 @@ def test_echo_with_logprobs_scores_the_prompt(client):
     assert slp[0] is None and slp[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
+def test_echo_with_max_tokens_zero_returns_the_prompt_alone(client, server):
+    """OpenAI's and vLLM's echo-only request: the prompt, with its logprobs when asked, and nothing
+    generated after it, streamed or not."""
+    kw = dict(model=MODEL, prompt="The capital of France is Paris", max_tokens=0, echo=True, logprobs=0)
+    r = client.completions.create(**kw)
+    c = r.choices[0]
+    assert c.text == kw["prompt"] and c.finish_reason == "length"
+    assert len(c.logprobs.tokens) == r.usage.prompt_tokens and "".join(c.logprobs.tokens) == kw["prompt"]
+    assert c.logprobs.token_logprobs[0] is None and all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    streamed = [ch for ch in client.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(ch.choices[0].text for ch in streamed) == kw["prompt"]
+    assert [v for ch in streamed for v in ch.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
+
+
+def test_prompt_logprobs_request_field(server):
+    """vLLM's prompt_logprobs extra field: completions give them per choice, chat on the response,
+    as [None, {token id: {logprob, rank, decoded_token}}, ...] with the prompt token and the top k;
+    they agree with echo + logprobs on the same prompt."""
+    prompt = "The capital of France is Paris"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for tid, entry in zip(ids[1:], plp[1:]):
+        assert str(tid) in entry and 2 <= len(entry) <= 3  # the prompt token plus the top 2
+        assert {1, 2} <= {e["rank"] for e in entry.values()}  # the top 2, whether or not they hold the prompt token
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entry.values())
+    assert r["choices"][0]["text"] and not r["choices"][0]["text"].startswith(prompt)  # no echo asked
+    echoed = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt_logprobs": None, "echo": True,
+                                                              "logprobs": 0}, timeout=60).json()
+    ref = echoed["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)]
+    assert [e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:])] == pytest.approx(ref, abs=1e-5)
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+        timeout=60).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # k = 0: the prompt token alone
+
+
 def test_continuous_usage_is_per_choice(server):
     """stream_options.continuous_usage_stats, as vLLM: each chunk carries its own choice's counts
     so far (the role chunks 0 completion tokens), not the sum over choices."""

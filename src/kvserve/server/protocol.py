@@ -77,6 +77,7 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM: score the prompt, top k per token (not streamed)
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
@@ -85,7 +86,7 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone (OpenAI, vLLM)
     logprobs: int | None = Field(None, ge=0)
     echo: bool | None = False
     suffix: str | None = None
@@ -101,7 +102,6 @@ UNSUPPORTED_PARAMS = {
     **dict.fromkeys(("use_beam_search", "length_penalty", "early_stopping"), "beam search is not implemented"),
     **dict.fromkeys(("allowed_token_ids", "bad_words", "logits_processors"),
                     "token masks and logits processors are not implemented"),
-    "prompt_logprobs": "as a request field it is not implemented; completions with echo and logprobs score the prompt",
     **dict.fromkeys(("chat_template", "documents"), "the model's own chat template is always used"),
     **dict.fromkeys(("mm_processor_kwargs", "prompt_embeds", "multi_modal_data"), "only text models are served"),
     **dict.fromkeys(("kv_transfer_params", "vllm_xargs", "return_tokens_as_token_ids", "return_token_ids",
@@ -179,12 +179,27 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionStreamChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob` as its server sends it in `prompt_logprobs`."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id: PromptLogprob} per token.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionChoice(CompletionStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -230,6 +245,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -259,7 +275,7 @@ class CompletionChunk(BaseModel):
     object: str = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
 

@@ -108,6 +108,9 @@ class OpenAIServing:
             raise APIError("stop must be a non-empty string or a list of non-empty strings", param="stop")
         if req.stop_token_ids and any(not 0 <= t < self.tokenizer.vocab_size for t in req.stop_token_ids):
             raise APIError(f"stop_token_ids must be in [0, {self.tokenizer.vocab_size})", param="stop_token_ids")
+        if req.stream and req.prompt_logprobs:  # vLLM refuses them too: they are not sent in chunks
+            raise APIError("prompt_logprobs are not available when stream is true; drop one of them",
+                           param="prompt_logprobs")
 
     def _truncated(self, ids: list[int], req: P._SamplingRequest) -> list[int]:
         """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: as many as max_model_len)."""
@@ -228,10 +231,16 @@ class OpenAIServing:
         # echo: the prompt as sent (vLLM); token ids and truncated prompts decoded, special tokens kept
         echoes = [(t if t is not None and len(p) == len(q) else self.tokenizer.decode(q)) if req.echo else ""
                   for t, p, q in zip(texts, ids, prompts)]
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError("max_tokens must be at least 1 (0 is allowed with echo, which returns the prompt alone)",
+                           param="max_tokens")
+        # echo with max_tokens 0: the prompt alone, as OpenAI and vLLM answer it (one token is
+        # generated, as vLLM does, and not sent)
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         # one limit per prompt: a null max_tokens is the room each prompt leaves (vLLM's get_max_tokens)
         # echo with logprobs scores the prompt too (lm-eval's log-likelihood requests)
-        scored = req.logprobs if req.echo else None
-        params = [self._sampling_params(req, self._check_length(len(p), req.max_tokens, "prompt"), req.logprobs,
+        scored = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if req.echo else None
+        params = [self._sampling_params(req, self._check_length(len(p), max_tokens, "prompt"), req.logprobs,
                                         prompt_logprobs=scored) for p in prompts]
         admitted = await self._admit(prompts, params, req, cache_salt, "cmpl")
         if req.stream:
@@ -239,12 +248,12 @@ class OpenAIServing:
         finals = await self._collect(admitted)
         choices = []
         for i, out in enumerate(finals):
-            prefix = echoes[i]
             for o in out.outputs:
-                ids, lps = self._echoed(req, out, o.token_ids, o.logprobs)
+                text, ids, lps = self._echoed(req, out, echoes[i], o.text, o.token_ids, o.logprobs)
                 choices.append(P.CompletionChoice(
-                    index=i * req.n + o.index, text=prefix + o.text, finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason, logprobs=self._completion_logprobs(ids, lps, req.logprobs, 0)))
+                    index=i * req.n + o.index, text=text, finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason, logprobs=self._completion_logprobs(ids, lps, req.logprobs, 0),
+                    prompt_logprobs=self._prompt_logprobs(out)))
         return P.CompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
                                     usage=self._usage(finals)).model_dump()
 
@@ -267,15 +276,14 @@ class OpenAIServing:
                         finished.add(index)
                     text, ids, lps = o.delta_text, o.delta_token_ids, o.delta_logprobs
                     if req.echo and index not in offsets:
-                        text = echoes[i] + text
-                        ids, lps = self._echoed(req, out, ids, lps)
+                        text, ids, lps = self._echoed(req, out, echoes[i], text, ids, lps)
                     if not text and not o.finish_reason and not o.delta_logprobs:
                         continue
                     lp = self._completion_logprobs(ids, lps, req.logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(text)
                     chunk = P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[
-                        P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
-                                           stop_reason=o.stop_reason)])
+                        P.CompletionStreamChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
+                                                 stop_reason=o.stop_reason)])
                     if include_usage and continuous:
                         chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
                     yield _sse(chunk.model_dump())  # every key, null ones too, as vLLM's stream
@@ -311,7 +319,8 @@ class OpenAIServing:
         ids = self._truncated(self._chat_prompt(req), req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_length(len(ids), requested, "messages")
-        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                       prompt_logprobs=req.prompt_logprobs)
         admitted = await self._admit([ids], [params], req, cache_salt, "chatcmpl")
         if req.stream:
             return self._stream_chat(req, admitted, len(ids))
@@ -321,7 +330,7 @@ class OpenAIServing:
                                 logprobs=self._chat_logprobs(o.token_ids, o.logprobs, req.top_logprobs))
                    for o in out.outputs]
         return P.ChatCompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
-                                        usage=self._usage([out])).model_dump()
+                                        usage=self._usage([out]), prompt_logprobs=self._prompt_logprobs(out)).model_dump()
 
     async def _stream_chat(self, req: P.ChatCompletionRequest, admitted: _Admitted,
                            prompt_len: int) -> AsyncIterator[str]:
@@ -388,11 +397,26 @@ class OpenAIServing:
         return [(lp.decoded_token, max(lp.logprob, LOGPROB_FLOOR)) for lp in list(entry.values())[:n]]
 
     @staticmethod
-    def _echoed(req: P.CompletionRequest, out, token_ids: list[int], entries) -> tuple[list[int], list | None]:
-        """echo + logprobs: the prompt's tokens and logprobs (None for the first) before the output's."""
-        if not req.echo or entries is None or out.prompt_logprobs is None:
-            return token_ids, entries
-        return list(out.prompt_token_ids) + list(token_ids), list(out.prompt_logprobs) + list(entries)
+    def _echoed(req: P.CompletionRequest, out, echo: str, text: str, token_ids: list[int], entries
+                ) -> tuple[str, list[int], list | None]:
+        """echo: the prompt's text before the output's and, with logprobs, the prompt's tokens and
+        logprobs (None for the first) before the output's; max_tokens 0 sends the prompt alone."""
+        if not req.echo:
+            return text, token_ids, entries
+        if req.max_tokens == 0:
+            text, token_ids, entries = "", [], None if entries is None else []
+        if entries is None or out.prompt_logprobs is None:
+            return echo + text, token_ids, entries
+        return echo + text, list(out.prompt_token_ids) + list(token_ids), list(out.prompt_logprobs) + list(entries)
+
+    @staticmethod
+    def _prompt_logprobs(out) -> list | None:
+        """vLLM's prompt_logprobs field: -inf clamped, as its server does."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if e is None else {t: P.PromptLogprob(logprob=max(lp.logprob, LOGPROB_FLOOR), rank=lp.rank,
+                                                           decoded_token=lp.decoded_token) for t, lp in e.items()}
+                for e in out.prompt_logprobs]
 
     def _completion_logprobs(self, token_ids: list[int], entries, k: int | None,
                              start_offset: int) -> P.CompletionLogprobs | None:
