@@ -174,6 +174,15 @@ def test_generation_config_defaults_as_vllm(path, tmp_path):
     (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
     folder = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128, generation_config=str(other))
     assert folder.get_default_sampling_params() == SamplingParams(temperature=0.3)
+    # vLLM's override_generation_config: generation_config.json keys merged over the chosen config
+    over = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128,
+               override_generation_config={"temperature": 0.9, "max_new_tokens": 8})
+    assert over.get_default_sampling_params() == SamplingParams(top_k=1, max_tokens=8, temperature=0.9)
+    only = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128, generation_config="vllm",
+               override_generation_config={"top_p": 0.5})
+    assert only.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    with pytest.raises(ConfigError, match="override-generation-config with the generation config gives .*top_p"):
+        LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128, override_generation_config={"top_p": 0})
     (d / "generation_config.json").write_text(json.dumps({**gen, "top_p": 0.0}))
     with pytest.raises(ConfigError, match="generation_config.json gives sampling defaults .*top_p"):
         LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128)

@@ -102,6 +102,16 @@ def test_vllm_serve_flags_refused_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_override_generation_config_must_be_a_json_object():
+    from kvserve.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--override-generation-config", "temperature=0.5"])
+    ns = build_parser().parse_args(["serve", "--override-generation-config", '{"temperature": 0.5}'])
+    assert ns.override_generation_config == {"temperature": 0.5}
+    with pytest.raises(ConfigError, match="JSON object of generation_config.json keys"):
+        EngineArgs(override_generation_config=[("temperature", 0.5)]).validate()
+
+
 def test_generation_config_folder_without_the_file_is_refused(tmp_path):
     from kvserve.config import ConfigError, EngineArgs
     with pytest.raises(ConfigError, match="a folder holding a generation_config.json; '.*' has none"):

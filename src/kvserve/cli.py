@@ -40,6 +40,8 @@ _HELP = {
     "generation_config": "auto: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or "
                          "max_tokens unset take the model's generation_config.json values, as vLLM; vllm: "
                          "ignore them; a folder: take its generation_config.json's",
+    "override_generation_config": "JSON object of generation_config.json keys merged over what "
+                                  "--generation-config gives, e.g. '{\"temperature\": 0.5}' (vLLM's)",
     "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
                             "per group (cascade attention, CPU bf16 kernel; on by default)",
     "served_model_name": "name(s) clients send as `model` (default: the model path)",
@@ -92,6 +94,17 @@ def _json_list(value: str) -> list[str]:
     return items
 
 
+def _json_object(value: str) -> dict:
+    import json
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON object, e.g. '{{\"temperature\": 0.5}}'")
+    return obj
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -122,6 +135,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["action"] = argparse.BooleanOptionalAction if on_off else "store_true"
         elif f.name == "kv_cache_memory":
             kwargs["type"] = _size
+        elif f.name == "override_generation_config":
+            kwargs["type"] = _json_object
         elif f.name == "served_model_name":
             kwargs["nargs"] = "+"
         else:

@@ -175,6 +175,9 @@ class EngineArgs:
     # none are given, and the server's defaults for fields a request leaves unset; "vllm" ignores
     # them; a folder path reads its generation_config.json instead of the model's.
     generation_config: str = "auto"
+    # vLLM's: generation_config.json keys (temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_new_tokens) merged over those --generation-config chose, e.g. {"temperature": 0.5}.
+    override_generation_config: dict | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     # vLLM's flag: attend shared prefixes per sequence instead of once per group of decodes
     # (kvserve's cascade runs in the CPU bf16 kernel; see model/attention/cascade.py).
@@ -192,6 +195,9 @@ class EngineArgs:
             raise ConfigError(f"--generation-config must be 'auto' (the model's generation_config.json), 'vllm' "
                               f"(vLLM's defaults) or a folder holding a generation_config.json; "
                               f"{self.generation_config!r} has none")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ConfigError("--override-generation-config must be a JSON object of generation_config.json "
+                              f"keys, e.g. '{{\"temperature\": 0.5}}'; got {self.override_generation_config!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)} (got {self.scheduling_policy!r})")
         if self.preemption_mode is None:

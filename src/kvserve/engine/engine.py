@@ -118,23 +118,33 @@ class LLMEngine:
     def _sampling_defaults(self, args: EngineArgs) -> dict:
         """The generation_config.json sampling values: the model's (--generation-config auto), a
         folder's (--generation-config DIR), or none (vllm)."""
+        from kvserve.model.loader import SAMPLING_CONFIG_KEYS, read_generation_config, sampling_defaults
         if args.generation_config == "auto":
-            defaults = self.model_config.sampling_defaults
+            defaults = dict(self.model_config.sampling_defaults)
         elif args.generation_config == "vllm":
             defaults = {}
         else:
-            from kvserve.model.loader import read_generation_config, sampling_defaults
             defaults = sampling_defaults(read_generation_config(os.path.join(args.generation_config,
                                                                              "generation_config.json")))
+        override = args.override_generation_config or {}
+        if override:
+            used = sampling_defaults(override)
+            ignored = sorted(set(override) - set(SAMPLING_CONFIG_KEYS))
+            if ignored:  # vLLM drops them silently; a misspelt key should not be
+                logger.warning("--override-generation-config: %s ignored; the keys that set sampling defaults "
+                               "are %s", ", ".join(ignored), ", ".join(SAMPLING_CONFIG_KEYS))
+            defaults.update(used)
         if defaults:
             try:
                 SamplingParams(**defaults)
             except (SamplingParamsError, TypeError) as e:
-                raise ConfigError(f"the model's generation_config.json gives sampling defaults kvserve cannot "
-                                  f"use ({e}); fix the file or start with --generation-config vllm") from None
+                source = "--override-generation-config with the generation config gives" if override \
+                    else "the model's generation_config.json gives"
+                raise ConfigError(f"{source} sampling defaults kvserve cannot use ({e}); fix them or "
+                                  f"start with --generation-config vllm") from None
             logger.info("Default sampling parameters have been overridden by the model's generation config: %s "
                         "(--generation-config vllm ignores them)", defaults)
-        return dict(defaults)
+        return defaults
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -62,6 +62,9 @@ def read_generation_config(path: str | Path) -> dict:
         return {}
 
 
+SAMPLING_CONFIG_KEYS = tuple(_SAMPLING_KEYS)
+
+
 def sampling_defaults(generation_config: dict) -> dict:
     """The generation_config.json values vLLM's `--generation-config auto` applies, as SamplingParams
     fields; HF's generation-only flags (do_sample, num_beams, ...) are not among them, as in vLLM."""
