@@ -189,6 +189,25 @@ def test_blocks_still_on_device_are_written_down_at_shutdown(tiny, ref, tmp_path
         second.engine.close()
 
 
+def test_blocks_read_from_disk_are_not_written_again(tiny, ref, tmp_path):
+    """A restarted engine that restored a prompt's blocks from disk knows disk has them: its
+    shutdown writes only the blocks computed since (the generated tokens' ones), not those."""
+    path, _ = tiny
+    disk = dict(kv_disk_path=str(tmp_path / "kv"), kv_disk_size="64MiB")
+    prompts = documents_workload(seed=4)[0][:1]
+    first = LLM(path, **SMALL, **disk)
+    first.generate(prompts, greedy(), use_tqdm=False)
+    first.engine.close()
+    written_first = first.engine.kv_tiers.lower[0].stats().puts
+    second = LLM(path, **SMALL, **disk)
+    second.generate(prompts, greedy(), use_tqdm=False)
+    restored = second.engine.get_stats().tier_hits["disk"] // BS  # tokens -> blocks
+    assert restored >= 20
+    second.engine.close()
+    written_second = second.engine.kv_tiers.lower[0].stats().puts
+    assert written_second <= written_first - restored  # without the change: written_second == written_first
+
+
 def test_an_engine_never_closed_writes_its_blocks_at_exit(tiny, ref, tmp_path):
     """An offline script that never calls close(): its cached blocks reach disk at interpreter exit."""
     import subprocess

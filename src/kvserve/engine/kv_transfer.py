@@ -153,6 +153,14 @@ class KVTransfer:
             ids = torch.tensor([r.block_id for r in group])
             fields = [torch.stack([r.data[i] for r in group]) for i in range(len(group[0].data))]
             self.kv_cache.write_blocks(ids, fields)
+        # A block read from the only lower tier (or from the writer's queue for it) is stored
+        # below: shutdown and a later eviction need not write it again. With two lower tiers a
+        # hit in one says nothing of the other, so those are left to be written.
+        if len(self.chain.lower) == 1:
+            below = self.chain.lower[0].name
+            for r in restores:
+                if r.tier == below:
+                    self._remember(r.key)
         self.chain.stats.restore_seconds += time.perf_counter() - start
 
     def _remember(self, key: bytes) -> None:

@@ -34,6 +34,7 @@ class BlockRestore(NamedTuple):
     block_id: int
     data: object
     tier: str
+    key: bytes
 
 
 @dataclass

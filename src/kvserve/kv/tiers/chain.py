@@ -24,6 +24,7 @@ USAGE_REFRESH_SECONDS = 1.0  # Redis usage costs two round trips: do not ask eve
 class Fetched(NamedTuple):
     tier: str  # 'host' | 'disk' | 'redis' (writer-queue hits count for the tier they are bound for)
     data: object  # decode(payload): what the runner writes into the block
+    key: bytes  # the block hash it was found under
 
 
 @dataclass
@@ -92,7 +93,7 @@ class TierChain:
                 if payload is None:
                     continue
                 try:
-                    found[i] = Fetched(name, self.decode(memoryview(payload)))
+                    found[i] = Fetched(name, self.decode(memoryview(payload)), keys[i])
                 except Exception as exc:  # wrong layout: recompute it, never serve it
                     self.stats.decode_failures += 1
                     if self.stats.decode_failures == 1 or self.stats.decode_failures % 1000 == 0:
