@@ -448,3 +448,66 @@ def test_a_write_plan_is_reused_across_layers_but_not_after_an_in_place_edit():
     ref.write(1, torch.tensor([8, 9, 17]), k, v)
     for layer in range(2):
         assert torch.equal(c.gather(layer, torch.arange(6))[0], ref.gather(layer, torch.arange(6))[0])
+
+
+@pytest.mark.parametrize("dt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seal_at_step_end", [False, True])
+def test_compiled_residual_write_leaves_the_cache_as_the_torch_ops_do(dt, dtype, seal_at_step_end):
+    """The compiled decode-time residual write must leave every tensor of the cache (codes,
+    metadata, residual rows, masks, entries, LRU clocks) exactly as the torch path does, through
+    prefill chunks, decodes filling and starting blocks, K/V given as strided views, a pool too
+    small for the open blocks (evictions, re-opened blocks) and sealing."""
+    from kvserve.model.attention.cpu_kernel import residual_write_kernel
+    if residual_write_kernel() is None:
+        pytest.skip("no C++ compiler: the torch path is the only one")
+    bs, g = 8, torch.Generator().manual_seed(7)
+    caches = [create_kv_cache(TINY, num_blocks=24, block_size=bs, kv_cache_dtype=dt, dtype=dtype,
+                              num_residual_blocks=4, seal_at_step_end=seal_at_step_end) for _ in range(2)]
+    caches[1]._row_write = False  # the torch ops
+    # Sequences end mid-block (21 tokens), leaving open blocks; the second generation starts in
+    # the last blocks of the first (its first chunk inside the block), so a block with a stale
+    # entry starts fresh.
+    tables = {0: [3, 9, 14], 1: [5, 2, 20], 2: [11, 7, 1], 3: [16, 4, 22], 4: [0, 8, 17], 5: [6, 13, 19],
+              6: [17, 10, 12], 7: [19, 15, 18], 8: [1, 21, 23]}
+    end = 3 * bs - 3
+    pos = {i: 0 for i in tables}
+    fast_writes, fresh_fast = 0, 0
+    turns = [(0, 1), (2, 3), (4, 5)] * 6 + [(6, 7)] * 6 + [(8,)] * 6
+    for step in range(5 * len(turns)):  # turns of 5 steps: 6 open blocks for 4 entries at first
+        seqs = [i for i in turns[step // 5] if pos[i] < end]
+        if not seqs:
+            continue
+        lens = {i: min(end - pos[i], int(torch.randint(1, 12 if i < 6 else 8, (1,), generator=g))
+                       if pos[i] == 0 else 1) for i in seqs}
+        slots = torch.cat([torch.tensor(tables[i])[torch.arange(pos[i], pos[i] + lens[i]) // bs] * bs
+                           + torch.arange(pos[i], pos[i] + lens[i]) % bs for i in seqs])
+        qkv = torch.randn(slots.numel(), 3 * 2 * 16, generator=g).to(dtype)  # K and V as views, as the model's
+        k, v = qkv[:, 32:64].view(-1, 2, 16), qkv[:, 64:].view(-1, 2, 16)
+        for layer in range(TINY.num_hidden_layers):
+            plan = caches[0]._write_plan(slots)
+            fast = plan.part is not None and bool((caches[0].block_res[layer, plan.part.blocks] >= 0).all())
+            fresh_fast += fast and bool(plan.part.fresh.any())
+            for c in caches:
+                c.write(layer, slots, k, v)
+            fast_writes += fast
+        for c in caches:
+            c.finish_step()
+        for i in seqs:
+            pos[i] += lens[i]
+        a, b = caches  # after every step: a wrong clock shows at once, not only in a later eviction
+        for name in ("res_kv", "res_mask", "res_owner", "res_clock", "block_res", "sealed_fill"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+        for name, t in a.fields.items():
+            assert torch.equal(t.view(torch.uint8), b.fields[name].view(torch.uint8)), (step, name)
+    assert fresh_fast > 0 and fast_writes > 20
+    # A block sealed while partly written (as an eviction leaves it) re-opens from its codes.
+    k, v = torch.randn(1, 2, 16, generator=g).to(dtype), torch.randn(1, 2, 16, generator=g).to(dtype)
+    for c in caches:
+        for layer in range(TINY.num_hidden_layers):
+            c._seal(layer, c.block_res[layer, 23:24])
+            assert int(c.block_res[layer, 23]) == -1 and int(c.sealed_fill[layer, 23]) == end - 2 * bs
+            c.write(layer, torch.tensor([23 * bs + end - 2 * bs]), k, v)
+    for name in ("res_kv", "res_mask", "res_owner", "res_clock", "block_res", "sealed_fill"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a._clock == b._clock and a.residual_evictions == b.residual_evictions > 0

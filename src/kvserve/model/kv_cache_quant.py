@@ -139,6 +139,8 @@ class QuantizedKVCache(KVCache):
         self.sealed_fill = torch.zeros(L, num_blocks, dtype=torch.int16, device=dev)
         self._clock = [0] * L
         self.residual_evictions = 0  # open blocks quantized early because the pool was full
+        self._row_write = None  # the compiled residual write (CPU), looked up on first use
+        self._pool_ptrs: dict[int, tuple] = {}  # layer -> its residual pool's addresses, for it
 
     def _add_field(self, name: str, per_block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.fields[name] = torch.zeros(self.num_layers, self.num_blocks, *per_block_shape,
@@ -429,29 +431,76 @@ class QuantizedKVCache(KVCache):
             self.sealed_fill[layer, w.blocks] = bs
         if plan.part is None:
             return
-        pb, fresh = plan.part.blocks, plan.part.fresh
-        entry = self.block_res[layer, pb]
-        missing = entry < 0
-        if bool(missing.any()):
-            new = self._allocate(layer, pb[missing], busy=plan.blocks)
-            entry[missing] = new
-            # Re-opened blocks that already hold tokens bring them back from their quantized form.
-            reopen = missing.clone()
-            reopen[missing] = ~fresh[missing] & (self.sealed_fill[layer, pb[missing]] > 0)
-            if bool(reopen.any()):
-                rk, rv = self._load_blocks(layer, pb[reopen])
-                self.res_kv[layer, entry[reopen], 0] = rk
-                self.res_kv[layer, entry[reopen], 1] = rv
-                filled = torch.arange(bs, device=self.device)[None, :] < \
-                    self.sealed_fill[layer, pb[reopen]][:, None]
-                self.res_mask[layer, entry[reopen]] = filled
-            self.res_mask[layer, entry[missing & ~reopen]] = False
-        self.res_mask[layer, entry[fresh]] = False
+        part = plan.part
+        if not self._write_rows(layer, part, k, v):
+            pb, fresh = part.blocks, part.fresh
+            entry = self.block_res[layer, pb]
+            missing = entry < 0
+            if bool(missing.any()):
+                new = self._allocate(layer, pb[missing], busy=plan.blocks)
+                entry[missing] = new
+                # Re-opened blocks that already hold tokens bring them back from their quantized form.
+                reopen = missing.clone()
+                reopen[missing] = ~fresh[missing] & (self.sealed_fill[layer, pb[missing]] > 0)
+                if bool(reopen.any()):
+                    rk, rv = self._load_blocks(layer, pb[reopen])
+                    self.res_kv[layer, entry[reopen], 0] = rk
+                    self.res_kv[layer, entry[reopen], 1] = rv
+                    filled = torch.arange(bs, device=self.device)[None, :] < \
+                        self.sealed_fill[layer, pb[reopen]][:, None]
+                    self.res_mask[layer, entry[reopen]] = filled
+                self.res_mask[layer, entry[missing & ~reopen]] = False
+            if not self._write_rows(layer, part, k, v):  # every block has its entry now: no re-run of the above
+                self.res_mask[layer, entry[fresh]] = False
+                self._write_rows_torch(layer, entry, part, k, v)
+        if self.seal_at_step_end:
+            return
+        entry = self.block_res[layer, part.blocks]
+        done = self.res_mask[layer, entry].all(1)
+        if bool(done.any()):
+            self._seal(layer, entry[done])
+
+    def _write_rows(self, layer: int, part: _Placement, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """The compiled residual write: one call instead of the torch ops below, blocks new to the
+        pool given free entries as `_allocate` gives them. False, having written nothing, when it
+        does not apply (another device or dtype, strided rows) or the Python path must run (a
+        block to re-open, or too few free entries: sealing or eviction first)."""
+        if self._row_write is None:
+            from kvserve.model.attention.cpu_kernel import residual_write_kernel
+            self._row_write = (residual_write_kernel() if self.device.type == "cpu" else None) or False
+        hd = self.num_kv_heads * self.head_dim
+        if (not self._row_write or k.dtype != self.res_kv.dtype or v.dtype != self.res_kv.dtype
+                or k.stride()[1:] != (self.head_dim, 1) or v.stride()[1:] != (self.head_dim, 1)
+                or part.index.dtype != torch.long or part.offs.dtype != torch.long
+                or part.blocks.dtype != torch.long):
+            return False
+        es, bs = k.element_size(), self.block_size
+        rows = part.rows
+        self._clock[layer] += 1
+        pool = self._pool_ptrs.get(layer)
+        if pool is None:  # the pool's tensors live as long as the cache: their addresses do too
+            pool = self._pool_ptrs[layer] = (
+                self.block_res[layer].data_ptr(), self.res_owner[layer].data_ptr(), self.num_residual_blocks,
+                self.sealed_fill[layer].data_ptr(), self.res_mask[layer].data_ptr(),
+                self.res_clock[layer].data_ptr(), self.res_kv[layer].data_ptr())
+        rc = self._row_write(*pool,
+                             part.blocks.data_ptr(), part.fresh.data_ptr(), part.blocks.numel(),
+                             part.index.data_ptr(), part.offs.data_ptr(), 0 if rows is None else rows.data_ptr(),
+                             part.index.numel(), k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es,
+                             hd * es, bs, self._clock[layer])
+        if rc:
+            self._clock[layer] -= 1
+        return rc == 0
+
+    def _write_rows_torch(self, layer: int, entry: torch.Tensor, part: _Placement, k: torch.Tensor,
+                          v: torch.Tensor) -> None:
+        """`_write_rows` in torch ops, `entry` being the blocks' residual entries (all present)."""
+        bs = self.block_size
         self._clock[layer] += 1
         self.res_clock[layer, entry] = self._clock[layer]
-        e_tok, offs = entry[plan.part.index], plan.part.offs
-        if plan.part.rows is not None:
-            k, v = k.index_select(0, plan.part.rows), v.index_select(0, plan.part.rows)
+        e_tok, offs = entry[part.index], part.offs
+        if part.rows is not None:
+            k, v = k.index_select(0, part.rows), v.index_select(0, part.rows)
         # Row copies into the layer's pool seen as [entries * 2 * bs, H * D]: K rows of entry e at
         # e * 2 * bs + offs, V rows bs further (index_put with two index tensors is far slower).
         rows = self.res_kv[layer].view(-1, self.num_kv_heads * self.head_dim)
@@ -459,8 +508,3 @@ class QuantizedKVCache(KVCache):
         rows.index_copy_(0, k_rows, k.reshape(k.shape[0], -1).to(rows.dtype))
         rows.index_copy_(0, k_rows + bs, v.reshape(v.shape[0], -1).to(rows.dtype))
         self.res_mask[layer, e_tok, offs] = True
-        if self.seal_at_step_end:
-            return
-        done = self.res_mask[layer, entry].all(1)
-        if bool(done.any()):
-            self._seal(layer, entry[done])

@@ -78,6 +78,10 @@ class QFieldC(ctypes.Structure):  # csrc/stage_quantized.cpp's QField
 # kf, vf, res, block_res, block_ids, n, out_k, out_v, hkv, head_dim, block_size
 _STAGE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P, _I64, _P, _P,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int]
+# block_res, res_owner, entries, sealed_fill, res_mask, res_clock, res_kv, blocks, fresh, nblocks, index,
+# offs, rows, ntok, k, k_stride, v, v_stride (bytes), row_bytes, block_size, clock
+_RESIDUAL_WRITE_ARGTYPES = [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64,
+                            _I64, _I64, _I64]
 _ELEMENTWISE_ARGTYPES = {  # model/csrc/elementwise_bf16.cpp
     "add_rms_norm_bf16": [_P, _P, _I64, _P, _P, _I64, _I64, ctypes.c_float],  # h, delta, its stride, w, out, T, H, eps
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _P, _P],  # x, x_stride, T, nheads, D, cos, sin_signed
@@ -153,6 +157,8 @@ def load_library() -> ctypes.CDLL | None:
             lib.stage_quantized_pairs.argtypes = _STAGE_ARGTYPES
             lib.stage_quantized_pairs.restype = None
             lib.stage_quantized_available.restype = ctypes.c_int
+            lib.residual_write_rows.argtypes = _RESIDUAL_WRITE_ARGTYPES
+            lib.residual_write_rows.restype = ctypes.c_int
             for name, argtypes in _ELEMENTWISE_ARGTYPES.items():
                 getattr(lib, name).argtypes = argtypes
                 getattr(lib, name).restype = None
@@ -184,6 +190,12 @@ def stage_quantized_kernel():
     AVX512-BF16, else None."""
     lib = load_library()
     return None if lib is None or not lib.stage_quantized_available() else lib.stage_quantized_pairs
+
+
+def residual_write_kernel():
+    """`residual_write_rows` (a quantized cache's decode-time residual write, plain C++), or None."""
+    lib = load_library()
+    return None if lib is None else lib.residual_write_rows
 
 
 def elementwise_kernels():

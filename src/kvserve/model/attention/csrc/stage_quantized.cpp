@@ -334,3 +334,51 @@ extern "C" int stage_quantized_available() {
     return 0;
 #endif
 }
+
+// A decode step's write into a quantized cache's residual pool (kv_cache_quant.py,
+// QuantizedKVCache._write_staged, the blocks the write fills only partly): the same work as its
+// torch indexing ops per layer, in one pass. Per block: its entry (block_res); a block without one
+// takes the lowest free entry (res_owner < 0), as _allocate does; the mask is cleared for a block
+// new to its entry or starting fresh; the LRU clock is set. Per token: its K and V rows go to entry
+// e's res_kv rows (e * 2 * bs + off) and (e * 2 + 1) * bs + off, and its mask bit is set. Returns
+// 1, having written nothing, when the Python path must run: a block to re-open from its quantized
+// form (written before, not starting fresh), or fewer free entries than blocks without one.
+extern "C" int residual_write_rows(int64_t* block_res, int64_t* res_owner, int64_t nentries,
+                                   const int16_t* sealed_fill, bool* res_mask, int64_t* res_clock,
+                                   uint8_t* res_kv, const int64_t* blocks, const bool* fresh, int64_t nblocks,
+                                   const int64_t* index, const int64_t* offs, const int64_t* rows, int64_t ntok,
+                                   const uint8_t* k, int64_t k_stride, const uint8_t* v, int64_t v_stride,
+                                   int64_t row_bytes, int64_t bs, int64_t clock) {
+    int64_t need = 0;
+    for (int64_t p = 0; p < nblocks; ++p) {
+        if (block_res[blocks[p]] >= 0) continue;
+        if (!fresh[p] && sealed_fill[blocks[p]] > 0) return 1;
+        ++need;
+    }
+    int64_t e = 0;
+    if (need) {
+        int64_t free = 0;
+        for (int64_t i = 0; i < nentries && free < need; ++i) free += res_owner[i] < 0;
+        if (free < need) return 1;
+    }
+    for (int64_t p = 0; p < nblocks; ++p) {
+        const int64_t b = blocks[p];
+        if (block_res[b] < 0) {
+            while (res_owner[e] >= 0) ++e;
+            res_owner[e] = b;
+            block_res[b] = e;
+            memset(res_mask + e * bs, 0, (size_t)bs);
+        } else if (fresh[p]) {
+            memset(res_mask + block_res[b] * bs, 0, (size_t)bs);
+        }
+        res_clock[block_res[b]] = clock;
+    }
+    for (int64_t t = 0; t < ntok; ++t) {
+        const int64_t e = block_res[blocks[index[t]]], off = offs[t], r = rows ? rows[t] : t;
+        uint8_t* dst = res_kv + (e * 2 * bs + off) * row_bytes;
+        memcpy(dst, k + r * k_stride, (size_t)row_bytes);
+        memcpy(dst + bs * row_bytes, v + r * v_stride, (size_t)row_bytes);
+        res_mask[e * bs + off] = true;
+    }
+    return 0;
+}
