@@ -213,6 +213,29 @@ def test_disk_round_trip_and_lru_eviction_respects_size(tmp_path):
         assert (s.evictions, s.rejected, s.hits) == (1, 1, 1)
 
 
+def test_disk_directory_removed_while_in_use_is_made_again(tmp_path, caplog):
+    """An `rm -rf` of --kv-disk-path under a running server: the tier makes the directory (and
+    its lock) again, reports what it now holds, and keeps storing; the lost blocks are misses."""
+    import logging
+    import shutil
+    path = tmp_path / "kv"
+    with DiskTier(FP, path, 10 * ENTRY) as tier:
+        for i in range(3):
+            assert tier.put(key(i), payload(i))
+        shutil.rmtree(path)
+        with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers.disk"):
+            assert tier.usage() == (0, 10 * ENTRY, 0)  # a metrics scrape finds it gone
+        assert "was removed while in use" in caplog.text and "3 blocks" in caplog.text
+        assert path.is_dir() and (path / ".lock").exists()
+        assert tier.get(key(0)) is None
+        assert tier.put(key(5), payload(5)) and bytes(tier.get(key(5))) == payload(5)
+        shutil.rmtree(path)  # and when a write is the first to find it gone
+        assert tier.put(key(6), payload(6)) and bytes(tier.get(key(6))) == payload(6)
+        assert tier.usage().num_entries == 1 and tier.stats().errors == 0
+    with DiskTier(FP, path, 10 * ENTRY) as again:  # the new lock is released at close like the first
+        assert again.contains(key(6))
+
+
 def test_disk_persists_entries_and_lru_order_across_restart(tmp_path):
     with DiskTier(FP, tmp_path, 3 * ENTRY) as tier:
         for i in range(3):

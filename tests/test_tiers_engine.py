@@ -189,6 +189,19 @@ def test_blocks_still_on_device_are_written_down_at_shutdown(tiny, ref, tmp_path
         second.engine.close()
 
 
+def test_shutdown_says_what_an_unreachable_tier_did_not_store(tiny, caplog):
+    """Redis down for the whole run: the write-back at shutdown must not report blocks as written."""
+    import logging
+    path, _ = tiny
+    llm = LLM(path, **SMALL, kv_redis_url="redis://127.0.0.1:1")  # nothing listens there
+    llm.generate(documents_workload(seed=4)[0][:1], greedy(), use_tqdm=False)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.engine"):
+        llm.engine.close()
+    said = [r.getMessage() for r in caplog.records if "shutdown:" in r.getMessage()]
+    assert len(said) == 1 and "the redis tier stored 0 of the" in said[0] and "recompute" in said[0], said
+    assert caplog.records[-1].levelname == "WARNING"
+
+
 def test_blocks_read_from_disk_are_not_written_again(tiny, ref, tmp_path):
     """A restarted engine that restored a prompt's blocks from disk knows disk has them: its
     shutdown writes only the blocks computed since (the generated tokens' ones), not those."""

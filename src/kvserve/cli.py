@@ -105,6 +105,16 @@ def _json_object(value: str) -> dict:
     return obj
 
 
+def _non_negative(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds >= 0")
+    return seconds
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -203,6 +213,9 @@ def _add_serve(sub) -> None:
     s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
     s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument("--shutdown-timeout", type=_non_negative, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT, let requests in flight finish for up to SECONDS, then end the "
+                        "rest with an error (vLLM's; default 0: end them at once). New requests are refused")
     p.set_defaults(_run=run_serve)
 
 
@@ -237,9 +250,28 @@ def run_serve(ns: argparse.Namespace) -> int:
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",
                 args.model or "embedded SmolLM2-135M-Instruct", ", ".join(names), ns.host, ns.port,
                 llm.max_model_len, s.num_blocks_total, args.block_size, "on" if auth.enabled else "off")
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=5,
-                root_path=ns.root_path, access_log=not ns.disable_uvicorn_access_log)
+    # uvicorn's own grace covers the drain plus the time to send the requests it ended their errors.
+    server_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                                   timeout_graceful_shutdown=ns.shutdown_timeout + 5, root_path=ns.root_path,
+                                   access_log=not ns.disable_uvicorn_access_log)
+    _run_draining(server_config, lambda: llm.begin_shutdown(ns.shutdown_timeout))
     return 0
+
+
+def _run_draining(server_config, on_exit) -> None:
+    """uvicorn's server, telling the engine at the first SIGTERM / SIGINT (vLLM's --shutdown-timeout):
+    uvicorn stops accepting connections and waits for the open ones; the engine refuses new
+    requests, lets those in flight run for the drain time, then ends the rest with an error
+    response, so no client sees a cut connection or a cancelled handler."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                on_exit()
+            super().handle_exit(sig, frame)
+
+    DrainingServer(server_config).run()
 
 
 def _add_generate(sub) -> None:

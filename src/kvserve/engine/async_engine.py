@@ -111,6 +111,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
         self._aborted: list[str] = []  # engine thread: client aborts since the last publish
         self._stop = False
+        self._closing = False  # shutting down: no new requests (begin_shutdown)
         self._thread: threading.Thread | None = None
         self.latest_stats = engine.get_stats()
         self.num_step_errors = 0
@@ -165,6 +166,36 @@ class AsyncLLM:
             self._thread.join(timeout)
         # Queued offload writes reach disk/Redis and the disk tier's directory lock is released.
         self.engine.close()
+
+    def begin_shutdown(self, drain_seconds: float) -> None:
+        """The server got SIGTERM / SIGINT (vLLM's --shutdown-timeout): refuse new requests from
+        now on; those in flight may finish within `drain_seconds`, then the rest are aborted and
+        their streams end with EngineDeadError("the server is shutting down"), which the server
+        sends as an error response. Safe from any thread (a signal handler's included)."""
+        if self._closing:
+            return
+        self._closing = True
+
+        def end_the_rest() -> None:
+            ids = list(self._streams)
+            if ids:
+                logger.warning("shutdown: ending %d requests still in flight after %.0f s (--shutdown-timeout)",
+                               len(ids), drain_seconds)
+                self._aborted.extend(ids)
+                self._fail_all(EngineDeadError("the server is shutting down"))
+                self.engine.abort_request(ids)
+
+        def when_due() -> None:
+            with self._cv:
+                self._commands.append(end_the_rest)
+                self._cv.notify()
+
+        n = len(self._streams)
+        logger.info("shutdown: %s", f"waiting up to {drain_seconds:.0f} s for {n} requests in flight"
+                    if drain_seconds > 0 and n else f"ending {n} requests in flight" if n else "no requests in flight")
+        timer = threading.Timer(drain_seconds, when_due)
+        timer.daemon = True
+        timer.start()
 
     @property
     def is_running(self) -> bool:
@@ -222,6 +253,8 @@ class AsyncLLM:
 
         The caller must iterate the returned stream to its end or call its abort().
         """
+        if self._closing:
+            raise EngineDeadError("the server is shutting down")
         stream = RequestStream(self, request_id, asyncio.get_running_loop(), final_only)
 
         def add() -> None:

@@ -39,12 +39,20 @@ __all__ = ["LLMEngine", "RequestError", "RequestOutput", "CompletionOutput", "En
 def _shutdown_tiers(kv: KVCacheManager, transfer, tiers) -> None:
     """The engine's tiers at shutdown: the blocks still in the pool are written to disk / Redis
     (they only go down on eviction otherwise), then the tiers close. Holds no engine reference."""
+    handed, before = 0, {}
     if transfer is not None and tiers.lower:
-        written = transfer.persist(kv.cached_blocks())
-        if written:
-            logger.info("shutdown: %d cached KV blocks written to the %s tier(s)", written,
-                        "/".join(t.name for t in tiers.lower))
-    tiers.close()
+        before = {t.name: t.stats().puts for t in tiers.lower}
+        handed = transfer.persist(kv.cached_blocks())
+    tiers.close()  # drains the writer: what was handed down is stored, or refused, by now
+    for t in tiers.lower if handed else ():
+        # Stored since the shutdown began (queued evictions included): what a restart can find.
+        stored = t.stats().puts - before[t.name]
+        if stored >= handed:
+            logger.info("shutdown: %d cached KV blocks written to the %s tier", handed, t.name)
+        else:
+            logger.warning("shutdown: the %s tier stored %d of the %d cached KV blocks handed to it (unavailable "
+                           "or full: see its warnings above); a restart will recompute the rest",
+                           t.name, stored, handed)
 
 
 @dataclass

@@ -133,8 +133,11 @@ async def _guard_stream(request: Request, chunks: AsyncIterator[str]) -> AsyncIt
                 return
             nxt = None
             yield chunk
-    except (EngineStepError, EngineDeadError) as e:
+    except EngineStepError as e:
         yield _sse(APIError(str(e), status=500, type="InternalServerError").to_dict())
+        yield "data: [DONE]\n\n"
+    except EngineDeadError as e:  # shutting down (--shutdown-timeout): as the 503 of a non-streamed request
+        yield _sse(APIError(f"the engine is not running: {e}", status=503, type="ServiceUnavailableError").to_dict())
         yield "data: [DONE]\n\n"
     finally:
         # Nothing here may suspend: when Starlette cancels this response (its own disconnect
@@ -147,6 +150,14 @@ async def _guard_stream(request: Request, chunks: AsyncIterator[str]) -> AsyncIt
         else:
             with contextlib.suppress(RuntimeError):
                 await chunks.aclose()
+
+
+# Fields that take one of several forms, and how to say which (pydantic lists each form's failure).
+_UNION_SHAPES = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists "
+              "(one kind per request, not a mix)",
+    "stop": "must be a string or a list of strings",
+}
 
 
 def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth: Authenticator,
@@ -191,6 +202,10 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         if first.get("type") == "json_invalid":
             detail = (first.get("ctx") or {}).get("error", "JSON decode error")
             return _error(400, f"Request body is not valid JSON: {detail} at offset {loc[0] if loc else '?'}")
+        fields = {next((str(x) for x in err.get("loc", ()) if x != "body"), None) for err in errors}
+        if len(errors) > 1 and len(fields) == 1 and (field := fields.pop()) in _UNION_SHAPES:
+            # One field that fits none of its accepted forms: pydantic reports each form's failure
+            return _error(400, f"`{field}` {_UNION_SHAPES[field]}", param=field)
         param = ".".join(loc) or None
         where = f"`{param}`" if param else "request body"
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""

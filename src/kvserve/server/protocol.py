@@ -40,7 +40,8 @@ class ErrorResponse(BaseModel):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NaN / inf (Python's json reads them) are refused as such, not as "less than or equal to 2"
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -51,7 +52,7 @@ class StreamOptions(_Strict):
 class _Request(_Strict):
     """A request body. Unknown fields are kept (not an error, as in vLLM) so that the server can
     refuse the vLLM parameters it does not implement instead of silently ignoring them."""
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class _SamplingRequest(_Request):

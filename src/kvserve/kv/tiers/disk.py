@@ -58,6 +58,7 @@ class DiskTier(KVTier):
             os.close(self._lock_fd)
             raise ConfigError(f"--kv-disk-path {self.path!r} is in use by another kvserve process; give each "
                               f"server its own directory (share KV across servers with --kv-redis-url)") from None
+        self._dir_lock = threading.Lock()  # one recreation at a time (_recreate)
         self._prefix = fingerprint.hex + "-"
         self._lru: OrderedDict[str, int] = OrderedDict()  # file name -> size, cold end first
         self._used = 0
@@ -147,6 +148,9 @@ class DiskTier(KVTier):
             _unlink(tmp)
             with self._lock:
                 self._used -= size
+            if isinstance(exc, FileNotFoundError) and self._recreate():
+                return self._store(key, header, payload)
+            with self._lock:
                 full = exc.errno == errno.ENOSPC and self._used > 0
                 if full:
                     # The filesystem filled before the cap: the cap becomes what is stored now,
@@ -211,7 +215,41 @@ class DiskTier(KVTier):
             self._used -= size
             return True
 
+    def _recreate(self) -> bool:
+        """The directory was removed while in use (an `rm -rf`, a tmp cleaner): make it again, with
+        its lock, and forget the blocks that went with it, so the tier keeps storing and reports
+        what it holds. False when it still exists (another cause) or cannot be made."""
+        with self._dir_lock:
+            if self._lock_fd < 0 or os.path.isdir(self.path):  # closed, or not the cause
+                return False
+            try:
+                os.makedirs(self.path, exist_ok=True)
+                fd = os.open(os.path.join(self.path, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                self._log_once("recreate", f"disk tier: {self.path} was removed and cannot be made again "
+                                           f"({exc.strerror}); blocks are not stored on disk until it can")
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # another process made it first and holds it: leave it to that one
+                os.close(fd)
+                self._log_once("recreate", f"disk tier: {self.path} was removed, and another process now "
+                                           f"holds the new one; blocks are not stored on disk")
+                return False
+            old, self._lock_fd = self._lock_fd, fd
+            if old >= 0:
+                os.close(old)
+            with self._lock:
+                lost = len(self._lru)
+                self._lru.clear()
+                self._used = 0
+        logger.warning("disk tier: %s was removed while in use; made it again (the %d blocks stored there are "
+                       "gone and will be recomputed)", self.path, lost)
+        return True
+
     def _usage(self) -> TierUsage:
+        if not os.path.isdir(self.path):  # removed behind our back: what it held is gone
+            self._recreate()
         with self._lock:
             return TierUsage(self._used, self.capacity_bytes, len(self._lru))
 
