@@ -153,13 +153,20 @@ def onednn_rate(cfg, rows: int, tries: int = 3) -> dict:
 
 
 def workload_flops(cfg) -> dict[str, dict]:
-    """Linear-layer FLOPs of bench/compare.py's `random` and `shared` (prefix cached) workloads:
-    prefill rows run the layers only (logits for the last position alone), decode rows run the
-    layers and lm_head. Token counts are those compare.py's generator gives (seed 0)."""
+    """Linear-layer FLOPs of bench/compare.py's `random` and `shared` (prefix cached) workloads,
+    from its own generator (64 requests, seed 0): prefill rows run the layers only (logits for
+    the last position alone), decode rows the layers and lm_head. With caching, `shared` computes
+    the common prefix once and each prompt's own tokens."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from compare import make_workloads
     per_tok = 2 * cfg.num_hidden_layers * sum(o * i for o, i in projection_shapes(cfg).values())
     head = 2 * cfg.vocab_size * cfg.hidden_size
-    work = {"random": {"requests": 64, "prefill_tokens": 21236, "out_per_request": 128},
-            "shared": {"requests": 64, "prefill_tokens": 67584 - 64512, "out_per_request": 32}}
+    rand, shared = make_workloads(["random", "shared"], 64, cfg.vocab_size, 0)
+    common = len(os.path.commonprefix([tuple(p) for p in shared.prompts]))
+    work = {"random": {"requests": len(rand.prompts), "prefill_tokens": sum(map(len, rand.prompts)),
+                       "out_per_request": rand.max_tokens},
+            "shared": {"requests": len(shared.prompts), "out_per_request": shared.max_tokens,
+                       "prefill_tokens": common + sum(len(p) - common for p in shared.prompts)}}
     for w in work.values():
         decode_rows = w["requests"] * (w["out_per_request"] - 1)
         w["output_tokens"] = w["requests"] * w["out_per_request"]

@@ -181,7 +181,10 @@ def test_generation_config_defaults_as_vllm(path, tmp_path):
     only = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128, generation_config="vllm",
                override_generation_config={"top_p": 0.5})
     assert only.get_default_sampling_params() == SamplingParams(top_p=0.5)
-    with pytest.raises(ConfigError, match="override-generation-config with the generation config gives .*top_p"):
+    dropped = LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128,
+                  override_generation_config={"top_k": None})  # null drops the model's value, as vLLM's update
+    assert dropped.get_default_sampling_params() == SamplingParams(max_tokens=4, temperature=0.6)
+    with pytest.raises(ConfigError, match=r"--override-generation-config \{'top_p': 0\}: top_p .*fix the value"):
         LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128, override_generation_config={"top_p": 0})
     (d / "generation_config.json").write_text(json.dumps({**gen, "top_p": 0.0}))
     with pytest.raises(ConfigError, match="generation_config.json gives sampling defaults .*top_p"):

@@ -87,7 +87,7 @@ CASES = [
     ("prompt-logprobs-streamed", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
      ["not available when stream"], "prompt_logprobs"),
     ("prompt-logprobs-over-limit", CHAT, {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 50},
-     400, ["prompt_logprobs", "20"], "prompt_logprobs"),
+     400, ["prompt_logprobs", "20", "--max-logprobs"], "prompt_logprobs"),
     ("chat-echo", CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, ["echo"], "echo"),
     ("modalities-audio", CHAT, {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
      400, ["modalities"], "modalities"),

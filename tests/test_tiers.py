@@ -220,12 +220,15 @@ def test_disk_directory_removed_while_in_use_is_made_again(tmp_path, caplog):
     import shutil
     path = tmp_path / "kv"
     with DiskTier(FP, path, 10 * ENTRY) as tier:
+        lost = []
+        tier.on_lost = lost.extend  # TierChain points it at the writer's failed keys
         for i in range(3):
             assert tier.put(key(i), payload(i))
         shutil.rmtree(path)
         with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers.disk"):
             assert tier.usage() == (0, 10 * ENTRY, 0)  # a metrics scrape finds it gone
         assert "was removed while in use" in caplog.text and "3 blocks" in caplog.text
+        assert sorted(lost) == sorted(key(i) for i in range(3))
         assert path.is_dir() and (path / ".lock").exists()
         assert tier.get(key(0)) is None
         assert tier.put(key(5), payload(5)) and bytes(tier.get(key(5))) == payload(5)

@@ -263,12 +263,19 @@ def _run_draining(server_config, on_exit) -> None:
     uvicorn stops accepting connections and waits for the open ones; the engine refuses new
     requests, lets those in flight run for the drain time, then ends the rest with an error
     response, so no client sees a cut connection or a cancelled handler."""
+    import asyncio
+
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
-                on_exit()
+                # A signal handler may run between any two bytecodes of the loop's thread (inside a
+                # lock a logger or Thread.start needs): the work runs as a loop callback instead.
+                try:
+                    asyncio.get_running_loop().call_soon_threadsafe(on_exit)
+                except RuntimeError:  # no loop yet: a signal during start-up
+                    on_exit()
             super().handle_exit(sig, frame)
 
     DrainingServer(server_config).run()

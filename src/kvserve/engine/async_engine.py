@@ -171,7 +171,8 @@ class AsyncLLM:
         """The server got SIGTERM / SIGINT (vLLM's --shutdown-timeout): refuse new requests from
         now on; those in flight may finish within `drain_seconds`, then the rest are aborted and
         their streams end with EngineDeadError("the server is shutting down"), which the server
-        sends as an error response. Safe from any thread (a signal handler's included)."""
+        sends as an error response. Called on the event loop (not in a signal handler: it logs
+        and starts a timer thread), so it cannot fall between add_request's check and its admit."""
         if self._closing:
             return
         self._closing = True

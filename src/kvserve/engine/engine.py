@@ -36,23 +36,29 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "RequestError", "RequestOutput", "CompletionOutput", "EngineStats"]
 
 
+SHUTDOWN_WRITE_SECONDS = 60  # the write-back's limit, its queueing included (KVTransfer.persist)
+
+
 def _shutdown_tiers(kv: KVCacheManager, transfer, tiers) -> None:
     """The engine's tiers at shutdown: the blocks still in the pool are written to disk / Redis
     (they only go down on eviction otherwise), then the tiers close. Holds no engine reference."""
-    handed, before = 0, {}
+    handed, refused_before, finished = 0, {}, True
     if transfer is not None and tiers.lower:
-        before = {t.name: t.stats().puts for t in tiers.lower}
-        handed = transfer.persist(kv.cached_blocks())
-    tiers.close()  # drains the writer: what was handed down is stored, or refused, by now
-    for t in tiers.lower if handed else ():
-        # Stored since the shutdown began (queued evictions included): what a restart can find.
-        stored = t.stats().puts - before[t.name]
-        if stored >= handed:
-            logger.info("shutdown: %d cached KV blocks written to the %s tier", handed, t.name)
+        refused_before = {t.name: t.stats().rejected for t in tiers.lower}
+        handed = transfer.persist(kv.cached_blocks(), timeout=SHUTDOWN_WRITE_SECONDS)
+        finished = not handed or tiers.flush(SHUTDOWN_WRITE_SECONDS)
+        if not finished:
+            logger.warning("shutdown: the KV tier writer did not finish within %d s; some of the %d cached "
+                           "blocks handed down will be recomputed after a restart", SHUTDOWN_WRITE_SECONDS, handed)
+    tiers.close()
+    for t in tiers.lower if handed and finished else ():
+        refused = t.stats().rejected - refused_before[t.name]  # queued evictions' included
+        if refused:
+            logger.warning("shutdown: the %s tier refused %d of the blocks written to it at shutdown (%d cached "
+                           "blocks handed down; unavailable or full: see its warnings above); a restart will "
+                           "recompute them", t.name, refused, handed)
         else:
-            logger.warning("shutdown: the %s tier stored %d of the %d cached KV blocks handed to it (unavailable "
-                           "or full: see its warnings above); a restart will recompute the rest",
-                           t.name, stored, handed)
+            logger.info("shutdown: %d cached KV blocks written to the %s tier", handed, t.name)
 
 
 @dataclass
@@ -126,32 +132,40 @@ class LLMEngine:
     def _sampling_defaults(self, args: EngineArgs) -> dict:
         """The generation_config.json sampling values: the model's (--generation-config auto), a
         folder's (--generation-config DIR), or none (vllm)."""
-        from kvserve.model.loader import SAMPLING_CONFIG_KEYS, read_generation_config, sampling_defaults
+        from kvserve.model.loader import SAMPLING_KEYS, read_generation_config, sampling_defaults
         if args.generation_config == "auto":
-            defaults = dict(self.model_config.sampling_defaults)
+            defaults, source = dict(self.model_config.sampling_defaults), "the model's generation_config.json"
         elif args.generation_config == "vllm":
-            defaults = {}
+            defaults, source = {}, "vLLM's defaults"
         else:
             defaults = sampling_defaults(read_generation_config(os.path.join(args.generation_config,
                                                                              "generation_config.json")))
-        override = args.override_generation_config or {}
-        if override:
-            used = sampling_defaults(override)
-            ignored = sorted(set(override) - set(SAMPLING_CONFIG_KEYS))
-            if ignored:  # vLLM drops them silently; a misspelt key should not be
-                logger.warning("--override-generation-config: %s ignored; the keys that set sampling defaults "
-                               "are %s", ", ".join(ignored), ", ".join(SAMPLING_CONFIG_KEYS))
-            defaults.update(used)
+            source = f"{args.generation_config}/generation_config.json"
         if defaults:
             try:
                 SamplingParams(**defaults)
             except (SamplingParamsError, TypeError) as e:
-                source = "--override-generation-config with the generation config gives" if override \
-                    else "the model's generation_config.json gives"
-                raise ConfigError(f"{source} sampling defaults kvserve cannot use ({e}); fix them or "
+                raise ConfigError(f"{source} gives sampling defaults kvserve cannot use ({e}); fix the file or "
                                   f"start with --generation-config vllm") from None
-            logger.info("Default sampling parameters have been overridden by the model's generation config: %s "
-                        "(--generation-config vllm ignores them)", defaults)
+        override = args.override_generation_config or {}
+        if override:
+            ignored = sorted(set(override) - set(SAMPLING_KEYS))
+            if ignored:  # vLLM drops them silently; a misspelt key should not be
+                logger.warning("--override-generation-config: %s ignored; the keys that set sampling defaults "
+                               "are %s", ", ".join(ignored), ", ".join(SAMPLING_KEYS))
+            used = sampling_defaults(override)
+            try:
+                SamplingParams(**used)
+            except (SamplingParamsError, TypeError) as e:
+                raise ConfigError(f"--override-generation-config {override}: {e}; fix the value") from None
+            for key, field in SAMPLING_KEYS.items():  # as vLLM's dict update: null drops the default
+                if key in override and override[key] is None:
+                    defaults.pop(field, None)
+            defaults.update(used)
+            source += " and --override-generation-config"
+        if defaults:
+            logger.info("Default sampling parameters have been overridden by %s: %s (--generation-config vllm "
+                        "ignores the model's)", source, defaults)
         return defaults
 
     @classmethod

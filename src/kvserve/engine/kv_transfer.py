@@ -153,14 +153,14 @@ class KVTransfer:
             ids = torch.tensor([r.block_id for r in group])
             fields = [torch.stack([r.data[i] for r in group]) for i in range(len(group[0].data))]
             self.kv_cache.write_blocks(ids, fields)
-        # A block read from the only lower tier (or from the writer's queue for it) is stored
-        # below: shutdown and a later eviction need not write it again. With two lower tiers a
-        # hit in one says nothing of the other, so those are left to be written.
+        # A block read from the only lower tier's storage is stored below: the shutdown write-back
+        # need not write it again (nor an eviction, when no host tier has to be filled first).
+        # Not a hit in the writer's queue (its write may still fail), and with two lower tiers a
+        # hit in one says nothing of the other.
         if len(self.chain.lower) == 1:
-            below = self.chain.lower[0].name
             for r in restores:
-                if r.tier == below:
-                    self._remember(r.key)
+                if r.stored_key is not None:
+                    self._remember(r.stored_key)
         self.chain.stats.restore_seconds += time.perf_counter() - start
 
     def _remember(self, key: bytes) -> None:

@@ -34,7 +34,7 @@ class BlockRestore(NamedTuple):
     block_id: int
     data: object
     tier: str
-    key: bytes
+    stored_key: bytes | None = None  # its hash when read from a lower tier's storage (that tier holds it)
 
 
 @dataclass

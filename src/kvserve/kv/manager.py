@@ -196,7 +196,7 @@ class KVCacheManager:
             for f in hit.restored:
                 # Registered in the prefix cache by commit() after the step, like computed blocks.
                 dst = self.pool.allocate()
-                self._restores.append(BlockRestore(dst.block_id, f.data, f.tier, f.key))
+                self._restores.append(BlockRestore(dst.block_id, f.data, f.tier, f.key if f.stored else None))
                 blocks.append(dst)
             if hit.restored:
                 self.tiers.count_restored(hit.restored)

@@ -140,7 +140,6 @@ class QuantizedKVCache(KVCache):
         self._clock = [0] * L
         self.residual_evictions = 0  # open blocks quantized early because the pool was full
         self._row_write = None  # the compiled residual write (CPU), looked up on first use
-        self._pool_ptrs: dict[int, tuple] = {}  # layer -> its residual pool's addresses, for it
 
     def _add_field(self, name: str, per_block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.fields[name] = torch.zeros(self.num_layers, self.num_blocks, *per_block_shape,
@@ -468,29 +467,32 @@ class QuantizedKVCache(KVCache):
         if self._row_write is None:
             from kvserve.model.attention.cpu_kernel import residual_write_kernel
             self._row_write = (residual_write_kernel() if self.device.type == "cpu" else None) or False
-        hd = self.num_kv_heads * self.head_dim
-        if (not self._row_write or k.dtype != self.res_kv.dtype or v.dtype != self.res_kv.dtype
-                or k.stride()[1:] != (self.head_dim, 1) or v.stride()[1:] != (self.head_dim, 1)
-                or part.index.dtype != torch.long or part.offs.dtype != torch.long
-                or part.blocks.dtype != torch.long):
+        if not self._row_write or not self._row_write_applies(part, k, v):
             return False
-        es, bs = k.element_size(), self.block_size
-        rows = part.rows
+        def layer_of(t: torch.Tensor) -> int:  # layer's slice of a pool tensor, without making a view
+            return t.data_ptr() + layer * t.stride(0) * t.element_size()
+
+        es, bs, rows = k.element_size(), self.block_size, part.rows
         self._clock[layer] += 1
-        pool = self._pool_ptrs.get(layer)
-        if pool is None:  # the pool's tensors live as long as the cache: their addresses do too
-            pool = self._pool_ptrs[layer] = (
-                self.block_res[layer].data_ptr(), self.res_owner[layer].data_ptr(), self.num_residual_blocks,
-                self.sealed_fill[layer].data_ptr(), self.res_mask[layer].data_ptr(),
-                self.res_clock[layer].data_ptr(), self.res_kv[layer].data_ptr())
-        rc = self._row_write(*pool,
+        rc = self._row_write(layer_of(self.block_res), self.num_blocks, layer_of(self.res_owner),
+                             self.num_residual_blocks, layer_of(self.sealed_fill), layer_of(self.res_mask),
+                             layer_of(self.res_clock), layer_of(self.res_kv),
                              part.blocks.data_ptr(), part.fresh.data_ptr(), part.blocks.numel(),
                              part.index.data_ptr(), part.offs.data_ptr(), 0 if rows is None else rows.data_ptr(),
-                             part.index.numel(), k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es,
-                             hd * es, bs, self._clock[layer])
+                             part.index.numel(), k.data_ptr(), v.data_ptr(), k.shape[0], k.stride(0) * es,
+                             v.stride(0) * es, self.num_kv_heads * self.head_dim * es, bs, self._clock[layer])
         if rc:
             self._clock[layer] -= 1
         return rc == 0
+
+    def _row_write_applies(self, part: _Placement, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """What the compiled write takes: the pool's dtype, rows of H*D contiguous elements, and
+        contiguous int64 / bool placement tensors (it reads them as raw arrays)."""
+        index_ok = all(t.dtype == torch.long and t.is_contiguous()
+                       for t in (part.blocks, part.index, part.offs, *(() if part.rows is None else (part.rows,))))
+        return (index_ok and part.fresh.dtype == torch.bool and part.fresh.is_contiguous()
+                and k.dtype == v.dtype == self.res_kv.dtype and k.shape == v.shape
+                and k.stride()[1:] == (self.head_dim, 1) and v.stride()[1:] == (self.head_dim, 1))
 
     def _write_rows_torch(self, layer: int, entry: torch.Tensor, part: _Placement, k: torch.Tensor,
                           v: torch.Tensor) -> None:

@@ -48,7 +48,8 @@ class LoadedModel:
     source: str  # path actually loaded
 
 
-_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+# generation_config.json key -> SamplingParams field: the values vLLM's --generation-config auto applies.
+SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
@@ -62,13 +63,10 @@ def read_generation_config(path: str | Path) -> dict:
         return {}
 
 
-SAMPLING_CONFIG_KEYS = tuple(_SAMPLING_KEYS)
-
-
 def sampling_defaults(generation_config: dict) -> dict:
     """The generation_config.json values vLLM's `--generation-config auto` applies, as SamplingParams
     fields; HF's generation-only flags (do_sample, num_beams, ...) are not among them, as in vLLM."""
-    return {field: generation_config[key] for key, field in _SAMPLING_KEYS.items()
+    return {field: generation_config[key] for key, field in SAMPLING_KEYS.items()
             if generation_config.get(key) is not None}
 
 

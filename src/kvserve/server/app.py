@@ -136,7 +136,7 @@ async def _guard_stream(request: Request, chunks: AsyncIterator[str]) -> AsyncIt
     except EngineStepError as e:
         yield _sse(APIError(str(e), status=500, type="InternalServerError").to_dict())
         yield "data: [DONE]\n\n"
-    except EngineDeadError as e:  # shutting down (--shutdown-timeout): as the 503 of a non-streamed request
+    except EngineDeadError as e:  # shutdown (--shutdown-timeout) or a dead loop: the 503 a non-streamed one gets
         yield _sse(APIError(f"the engine is not running: {e}", status=503, type="ServiceUnavailableError").to_dict())
         yield "data: [DONE]\n\n"
     finally:

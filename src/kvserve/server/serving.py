@@ -144,9 +144,9 @@ class OpenAIServing:
 
     def _sampling_params(self, req: P._SamplingRequest, max_tokens: int, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-        if logprobs is not None and logprobs > self.config.max_logprobs:
-            raise APIError(f"logprobs must be <= {self.config.max_logprobs} (--max-logprobs), got {logprobs}",
-                           param="logprobs")
+        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and k > self.config.max_logprobs:
+                raise APIError(f"{name} must be <= {self.config.max_logprobs} (--max-logprobs), got {k}", param=name)
         # Unset fields take the model's generation_config.json values (--generation-config auto),
         # then vLLM's own defaults; its max_new_tokens caps max_tokens, as in vLLM's get_max_tokens.
         d = self.llm.sampling_defaults

@@ -22,7 +22,7 @@ import zlib
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,9 @@ class KVTier(ABC):
         self._stats = TierStats()
         self._stats_lock = threading.Lock()
         self._logged: set[str] = set()
+        # Told the keys of entries lost behind the tier's back (a disk directory removed), so
+        # that whoever remembers them as stored here writes them again; set by TierChain.
+        self.on_lost: Callable[[list[bytes]], None] | None = None
 
     # ---- public API: never raises on backend failure ----
     def put(self, key: bytes, payload: Buffer) -> bool:

@@ -25,6 +25,7 @@ class Fetched(NamedTuple):
     tier: str  # 'host' | 'disk' | 'redis' (writer-queue hits count for the tier they are bound for)
     data: object  # decode(payload): what the runner writes into the block
     key: bytes  # the block hash it was found under
+    stored: bool = False  # read from a lower tier's own storage (not the host, not the writer's queue)
 
 
 @dataclass
@@ -47,6 +48,9 @@ class TierChain:
         self.host = host
         self.lower = list(lower)  # written through `writer` (AsyncWriter), read in this order
         self.writer = writer
+        if writer is not None:  # entries a tier loses count as never stored (drained on the engine thread)
+            for tier in self.lower:
+                tier.on_lost = writer.failed.extend
         self.decode: Callable[[memoryview], object] = lambda payload: payload
         self.entry_bytes = 0  # packed size of one block (set by the transfer); 0: unknown
         # Extra bytes of a block that is still open (a quantized cache's full-precision residual
@@ -93,7 +97,8 @@ class TierChain:
                 if payload is None:
                     continue
                 try:
-                    found[i] = Fetched(name, self.decode(memoryview(payload)), keys[i])
+                    found[i] = Fetched(name, self.decode(memoryview(payload)), keys[i],
+                                       tier is not None and tier is not self.host)
                 except Exception as exc:  # wrong layout: recompute it, never serve it
                     self.stats.decode_failures += 1
                     if self.stats.decode_failures == 1 or self.stats.decode_failures % 1000 == 0:

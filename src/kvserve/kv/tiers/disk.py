@@ -116,7 +116,7 @@ class DiskTier(KVTier):
             victims.append(name)
         return victims
 
-    def _store(self, key: bytes, header: bytes, payload: Buffer) -> bool:
+    def _store(self, key: bytes, header: bytes, payload: Buffer, _retry: bool = True) -> bool:
         name = self.file_name(key)
         size = len(header) + memoryview(payload).nbytes
         if size > self.capacity_bytes:
@@ -148,8 +148,10 @@ class DiskTier(KVTier):
             _unlink(tmp)
             with self._lock:
                 self._used -= size
-            if isinstance(exc, FileNotFoundError) and self._recreate():
-                return self._store(key, header, payload)
+            # The directory removed under us: make it again (or find it made by a metrics scrape's
+            # _usage meanwhile) and write once more.
+            if isinstance(exc, FileNotFoundError) and _retry and (self._recreate() or os.path.isdir(self.path)):
+                return self._store(key, header, payload, _retry=False)
             with self._lock:
                 full = exc.errno == errno.ENOSPC and self._used > 0
                 if full:
@@ -237,14 +239,15 @@ class DiskTier(KVTier):
                                            f"holds the new one; blocks are not stored on disk")
                 return False
             old, self._lock_fd = self._lock_fd, fd
-            if old >= 0:
-                os.close(old)
+            os.close(old)
             with self._lock:
-                lost = len(self._lru)
+                lost = list(self._lru)
+                self._used -= sum(self._lru.values())  # what puts in flight reserved stays reserved
                 self._lru.clear()
-                self._used = 0
         logger.warning("disk tier: %s was removed while in use; made it again (the %d blocks stored there are "
-                       "gone and will be recomputed)", self.path, lost)
+                       "gone and will be recomputed)", self.path, len(lost))
+        if self.on_lost is not None:
+            self.on_lost([bytes.fromhex(name[len(self._prefix):-len(SUFFIX)]) for name in lost])
         return True
 
     def _usage(self) -> TierUsage:
@@ -254,10 +257,11 @@ class DiskTier(KVTier):
             return TierUsage(self._used, self.capacity_bytes, len(self._lru))
 
     def _close(self) -> None:
-        if self._lock_fd >= 0:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        with self._dir_lock:  # not while _recreate swaps the lock's descriptor
+            if self._lock_fd >= 0:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
 
 def _unlink(path: str) -> None:

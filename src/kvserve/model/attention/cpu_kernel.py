@@ -78,10 +78,10 @@ class QFieldC(ctypes.Structure):  # csrc/stage_quantized.cpp's QField
 # kf, vf, res, block_res, block_ids, n, out_k, out_v, hkv, head_dim, block_size
 _STAGE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P, _I64, _P, _P,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int]
-# block_res, res_owner, entries, sealed_fill, res_mask, res_clock, res_kv, blocks, fresh, nblocks, index,
-# offs, rows, ntok, k, k_stride, v, v_stride (bytes), row_bytes, block_size, clock
-_RESIDUAL_WRITE_ARGTYPES = [_P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64,
-                            _I64, _I64, _I64]
+# block_res, num_blocks, res_owner, entries, sealed_fill, res_mask, res_clock, res_kv, blocks, fresh,
+# nblocks, index, offs, rows, ntok, k, v, nrows, k_stride, v_stride (bytes), row_bytes, block_size, clock
+_RESIDUAL_WRITE_ARGTYPES = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64,
+                            _I64, _I64, _I64, _I64, _I64]
 _ELEMENTWISE_ARGTYPES = {  # model/csrc/elementwise_bf16.cpp
     "add_rms_norm_bf16": [_P, _P, _I64, _P, _P, _I64, _I64, ctypes.c_float],  # h, delta, its stride, w, out, T, H, eps
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _P, _P],  # x, x_stride, T, nheads, D, cos, sin_signed

@@ -342,13 +342,19 @@ extern "C" int stage_quantized_available() {
 // new to its entry or starting fresh; the LRU clock is set. Per token: its K and V rows go to entry
 // e's res_kv rows (e * 2 * bs + off) and (e * 2 + 1) * bs + off, and its mask bit is set. Returns
 // 1, having written nothing, when the Python path must run: a block to re-open from its quantized
-// form (written before, not starting fresh), or fewer free entries than blocks without one.
-extern "C" int residual_write_rows(int64_t* block_res, int64_t* res_owner, int64_t nentries,
+// form (written before, not starting fresh), fewer free entries than blocks without one, or an
+// index out of range (the torch path raises the IndexError).
+extern "C" int residual_write_rows(int64_t* block_res, int64_t num_blocks, int64_t* res_owner, int64_t nentries,
                                    const int16_t* sealed_fill, bool* res_mask, int64_t* res_clock,
                                    uint8_t* res_kv, const int64_t* blocks, const bool* fresh, int64_t nblocks,
                                    const int64_t* index, const int64_t* offs, const int64_t* rows, int64_t ntok,
-                                   const uint8_t* k, int64_t k_stride, const uint8_t* v, int64_t v_stride,
-                                   int64_t row_bytes, int64_t bs, int64_t clock) {
+                                   const uint8_t* k, const uint8_t* v, int64_t nrows, int64_t k_stride,
+                                   int64_t v_stride, int64_t row_bytes, int64_t bs, int64_t clock) {
+    for (int64_t p = 0; p < nblocks; ++p)
+        if (blocks[p] < 0 || blocks[p] >= num_blocks) return 1;
+    for (int64_t t = 0; t < ntok; ++t)
+        if (index[t] < 0 || index[t] >= nblocks || offs[t] < 0 || offs[t] >= bs
+                || (rows ? rows[t] < 0 || rows[t] >= nrows : t >= nrows)) return 1;
     int64_t need = 0;
     for (int64_t p = 0; p < nblocks; ++p) {
         if (block_res[blocks[p]] >= 0) continue;
