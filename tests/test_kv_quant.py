@@ -529,3 +529,51 @@ def test_a_slot_out_of_range_is_an_index_error_not_a_stray_write():
     with pytest.raises(IndexError):
         c.write(0, torch.tensor([10, 4 * 8 + 1]), torch.cat([k, k]), torch.cat([k, k]))  # block 4 of 4
     assert all(torch.equal(a, b) for a, b in zip(before, (c.res_kv, c.res_mask, c.block_res)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_int8_block_quantizer_stores_what_quantize_groups_does(dtype):
+    """The compiled int8 quantizer (whole blocks, prefill and sealing) must store the torch
+    path's codes, scales and zero points bit for bit: tiers and swap carry them between engines.
+    Values span tiny to large magnitudes, constant groups and exact float16 boundaries; a
+    non-finite or out-of-range value still gets the torch path's error."""
+    from kvserve.model.attention.cpu_kernel import quantize_int8_kernel
+    if quantize_int8_kernel() is None:
+        pytest.skip("no C++ compiler: the torch path is the only one")
+    cfg = ModelConfig("llama", 100, 64, 128, 2, 4, 2, 64, 1024)
+    caches = [create_kv_cache(cfg, num_blocks=40, block_size=16, kv_cache_dtype="int8", dtype=dtype)
+              for _ in range(2)]
+    caches[1]._quantize_int8 = False  # the torch ops
+    kernel, ran = quantize_int8_kernel(), []
+
+    def counted(*args):
+        rc = kernel(*args)
+        ran.append(rc)
+        return rc
+    caches[0]._quantize_int8 = counted
+    g = torch.Generator().manual_seed(3)
+    for trial, scale in enumerate((1e-4, 0.3, 1.0, 40.0, 8e3)):
+        k = (torch.randn(6, 16, 2, 64, generator=g) * scale).to(dtype)
+        v = (torch.randn(6, 16, 2, 64, generator=g) * scale).to(dtype)
+        k[0, :, 0, :5] = 0.5  # constant groups (scale 0)
+        v[1, 3, 1, :32] = -2.0
+        k[2, :, 1, 7] = torch.tensor(65504.0 / 3).to(dtype)  # near a float16 step
+        k[3, :, 0, 10] = torch.linspace(-1e-9, 1e-9, 16).to(dtype)  # zero point and scale below float16's
+        v[2, 5, 0, :32] = torch.linspace(0, 2e-9, 32).to(dtype)   # smallest step: stepped off 0
+        ids = torch.randperm(40, generator=g)[:6]
+        for c in caches:
+            c._store_blocks(trial % 2, ids, k, v)
+    per_entry = torch.tensor([0, 1, 1]), torch.tensor([5, 6, 7])  # a seal's per-entry layers
+    k, v = torch.randn(3, 16, 2, 64, generator=g).to(dtype), torch.randn(3, 16, 2, 64, generator=g).to(dtype)
+    for c in caches:
+        c._store_blocks(per_entry[0], per_entry[1], k, v)
+    assert ran == [0] * 6
+    for name, t in caches[0].fields.items():
+        assert torch.equal(t.view(torch.uint8), caches[1].fields[name].view(torch.uint8)), name
+    k[0, 0, 0, 0] = float("nan")
+    with pytest.raises(quant.QuantError, match="non-finite"):
+        caches[0]._store_blocks(0, torch.tensor([1, 2, 3]), k, v)
+    k[0, 0, 0, 0] = 7e4
+    with pytest.raises(quant.QuantError, match="float16 range"):
+        caches[0]._store_blocks(0, torch.tensor([1, 2, 3]), k, v)
+    assert ran[-2:] == [1, 1]

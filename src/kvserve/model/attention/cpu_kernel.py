@@ -82,6 +82,9 @@ _STAGE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P,
 # nblocks, index, offs, rows, ntok, k, v, nrows, k_stride, v_stride (bytes), row_bytes, block_size, clock
 _RESIDUAL_WRITE_ARGTYPES = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64,
                             _I64, _I64, _I64, _I64, _I64]
+# k, v, is_bf16, n, dst, block_size, hkv, head_dim, key group, value group, k codes / scale / zero, v ...
+_QUANT_INT8_ARGTYPES = [_P, _P, ctypes.c_int, _I64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_int, _P, _P, _P, _P, _P, _P]
 _ELEMENTWISE_ARGTYPES = {  # model/csrc/elementwise_bf16.cpp
     "add_rms_norm_bf16": [_P, _P, _I64, _P, _P, _I64, _I64, ctypes.c_float],  # h, delta, its stride, w, out, T, H, eps
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _P, _P],  # x, x_stride, T, nheads, D, cos, sin_signed
@@ -159,6 +162,8 @@ def load_library() -> ctypes.CDLL | None:
             lib.stage_quantized_available.restype = ctypes.c_int
             lib.residual_write_rows.argtypes = _RESIDUAL_WRITE_ARGTYPES
             lib.residual_write_rows.restype = ctypes.c_int
+            lib.quantize_int8_blocks.argtypes = _QUANT_INT8_ARGTYPES
+            lib.quantize_int8_blocks.restype = ctypes.c_int
             for name, argtypes in _ELEMENTWISE_ARGTYPES.items():
                 getattr(lib, name).argtypes = argtypes
                 getattr(lib, name).restype = None
@@ -196,6 +201,13 @@ def residual_write_kernel():
     """`residual_write_rows` (a quantized cache's decode-time residual write, plain C++), or None."""
     lib = load_library()
     return None if lib is None else lib.residual_write_rows
+
+
+def quantize_int8_kernel():
+    """`quantize_int8_blocks` (whole blocks to KIVI int8 codes with float16 metadata, bit-equal to
+    quant.quantize_groups), or None."""
+    lib = load_library()
+    return None if lib is None else lib.quantize_int8_blocks
 
 
 def elementwise_kernels():

@@ -388,3 +388,184 @@ extern "C" int residual_write_rows(int64_t* block_res, int64_t num_blocks, int64
     }
     return 0;
 }
+
+// int8 KIVI quantization of whole blocks (kv_cache_int.py, IntPagedKVCache._store_blocks with
+// float16 metadata, asymmetric groups): keys per channel over groups of `gt` tokens, values per
+// token over groups of `gd` channels. The arithmetic is quant.quantize_groups' own, op for op in
+// float32 (no product feeds a sum, so nothing can be fused into an FMA), so the codes, scales and
+// zero points are bit-equal to the torch path's (tests/test_kv_quant.py). x: [n, bs, hkv, dh]
+// float32 (is_bf16 = 0) or bf16; block i goes to flat block dst[i] of the fields ([layer * blocks
+// + block] rows). Returns 1, writing nothing, on a value the torch path must refuse (non-finite,
+// or |x| > 6e4, beyond float16 metadata) so that it raises the error.
+#if defined(__F16C__)
+#include <immintrin.h>
+
+static inline uint16_t f16_of(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline float f32_of(uint16_t h) { return _cvtsh_ss(h); }
+
+// The float16 nearest to t on the side that keeps the group's range inside (quant._round_meta):
+// one step toward -inf (zero point) or +inf (scale) when rounding went the wrong way.
+static inline uint16_t f16_outward(float t, bool up) {
+    uint16_t r = f16_of(t);
+    const float rf = f32_of(r);
+    if (up ? rf < t : rf > t) {
+        if ((r & 0x7fff) == 0) r = up ? 0x0001 : 0x8001;
+        else r = ((r & 0x8000) != 0) == up ? r - 1 : r + 1;
+    }
+    return r;
+}
+
+static inline float load_x(const void* x, int64_t i, int is_bf16) {
+    if (!is_bf16) return ((const float*)x)[i];
+    uint32_t bits = (uint32_t)((const uint16_t*)x)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// One group of g values at x[base + j * stride]: codes to out[ob + j * ostride], metadata to
+// scale[m] / zero[m].
+static inline void quantize_group(const void* x, int64_t base, int64_t stride, int g, int is_bf16,
+                                  uint8_t* out, int64_t ob, int64_t ostride, uint16_t* scale, uint16_t* zero,
+                                  int64_t m) {
+    float mn = INFINITY, mx = -INFINITY;
+    for (int j = 0; j < g; ++j) {
+        const float v = load_x(x, base + j * stride, is_bf16);
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+    }
+    const uint16_t z = f16_outward(mn, false);
+    const float zf = f32_of(z);
+    const uint16_t s = f16_outward((mx - zf) / 255.0f, true);
+    const float sf = f32_of(s);
+    const float inv = sf > 0.f ? 1.0f / sf : 0.f;
+    for (int j = 0; j < g; ++j) {
+        float q = nearbyintf((load_x(x, base + j * stride, is_bf16) - zf) * inv);
+        q = q < 0.f ? 0.f : (q > 255.f ? 255.f : q);
+        out[ob + j * ostride] = (uint8_t)q;
+    }
+    scale[m] = s;
+    zero[m] = z;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The same arithmetic 16 lanes at a time (vdivps, vsubps, vmulps and vroundscaleps round as the
+// scalar ops do): keys with the lanes on 16 channels, values with a group's min / max reduced.
+static inline __m512 load16(const void* x, int64_t i, int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float*)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256i f16_outward16(__m512 t, bool up) {
+    const __m256i r16 = _mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 rf = _mm512_cvtph_ps(r16);
+    const __mmask16 wrong = _mm512_cmp_ps_mask(rf, t, up ? _CMP_LT_OQ : _CMP_GT_OQ);
+    const __m512i r = _mm512_cvtepu16_epi32(r16);
+    const __mmask16 zero = _mm512_testn_epi32_mask(r, _mm512_set1_epi32(0x7fff));
+    const __mmask16 neg = _mm512_test_epi32_mask(r, _mm512_set1_epi32(0x8000));
+    const __mmask16 toward_zero = up ? neg : (__mmask16)~neg;  // magnitude - 1, else + 1
+    __m512i stepped = _mm512_mask_sub_epi32(_mm512_add_epi32(r, _mm512_set1_epi32(1)), toward_zero, r,
+                                            _mm512_set1_epi32(1));
+    stepped = _mm512_mask_mov_epi32(stepped, zero, _mm512_set1_epi32(up ? 0x0001 : 0x8001));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, wrong, stepped));
+}
+
+static inline __m128i codes16(__m512 x, __m512 zf, __m512 inv) {
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(x, zf), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), _mm512_set1_ps(255.f));
+    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q));
+}
+#define KVS_QUANT_VECTOR 1
+#endif
+
+extern "C" int quantize_int8_blocks(const void* k, const void* v, int is_bf16, int64_t n, const int64_t* dst,
+                                    int bs, int hkv, int dh, int gt, int gd, uint8_t* k_codes, uint16_t* k_scale,
+                                    uint16_t* k_zero, uint8_t* v_codes, uint16_t* v_scale, uint16_t* v_zero) {
+    const int64_t tok = (int64_t)hkv * dh, blk = (int64_t)bs * tok;
+    int bad = 0;
+    #pragma omp parallel for reduction(|:bad) schedule(static) if (n * blk >= (1 << 16))
+    for (int64_t i = 0; i < 2 * n; ++i) {
+        const void* x = i < n ? k : v;
+        const int64_t base = (i % n) * blk;
+        for (int64_t j = 0; j < blk; ++j) {
+            const float e = load_x(x, base + j, is_bf16);
+            bad |= !(fabsf(e) <= 6.0e4f);  // NaN and inf included
+        }
+    }
+    if (bad) return 1;
+    const int64_t k_meta_blk = (int64_t)(bs / gt) * tok, v_meta_blk = (int64_t)bs * hkv * (dh / gd);
+#ifdef KVS_QUANT_VECTOR
+    const bool vec_k = tok % 16 == 0, vec_v = gd % 16 == 0;
+#else
+    const bool vec_k = false, vec_v = false;
+#endif
+    #pragma omp parallel for schedule(static) if (n * blk >= (1 << 16))
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t src = i * blk, out = dst[i] * blk;
+        for (int tg = 0; tg < bs / gt; ++tg) {  // keys: channel (h, d) over tokens tg*gt ..
+            const int64_t t0 = (int64_t)tg * gt * tok, m0 = dst[i] * k_meta_blk + tg * tok;
+            int64_t hd = 0;
+#ifdef KVS_QUANT_VECTOR
+            for (; vec_k && hd < tok; hd += 16) {
+                __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
+                for (int j = 0; j < gt; ++j) {
+                    const __m512 e = load16(k, src + t0 + j * tok + hd, is_bf16);
+                    mn = _mm512_min_ps(mn, e);
+                    mx = _mm512_max_ps(mx, e);
+                }
+                const __m256i z = f16_outward16(mn, false);
+                const __m512 zf = _mm512_cvtph_ps(z);
+                const __m256i sc = f16_outward16(_mm512_div_ps(_mm512_sub_ps(mx, zf), _mm512_set1_ps(255.f)), true);
+                const __m512 sf = _mm512_cvtph_ps(sc);
+                const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(sf, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                       _mm512_set1_ps(1.f), sf);
+                for (int j = 0; j < gt; ++j)
+                    _mm_storeu_si128((__m128i*)(k_codes + out + t0 + j * tok + hd),
+                                     codes16(load16(k, src + t0 + j * tok + hd, is_bf16), zf, inv));
+                _mm256_storeu_si256((__m256i*)(k_scale + m0 + hd), sc);
+                _mm256_storeu_si256((__m256i*)(k_zero + m0 + hd), z);
+            }
+#endif
+            for (; hd < tok; ++hd)
+                quantize_group(k, src + t0 + hd, tok, gt, is_bf16, k_codes, out + t0 + hd, tok, k_scale, k_zero,
+                               m0 + hd);
+        }
+        for (int t = 0; t < bs; ++t)  // values: token t, head h, channels c*gd ..
+            for (int h = 0; h < hkv; ++h)
+                for (int c = 0; c < dh / gd; ++c) {
+                    const int64_t off = (int64_t)t * tok + (int64_t)h * dh + (int64_t)c * gd;
+                    const int64_t m = dst[i] * v_meta_blk + ((int64_t)t * hkv + h) * (dh / gd) + c;
+#ifdef KVS_QUANT_VECTOR
+                    if (vec_v) {
+                        __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
+                        for (int j = 0; j < gd; j += 16) {
+                            const __m512 e = load16(v, src + off + j, is_bf16);
+                            mn = _mm512_min_ps(mn, e);
+                            mx = _mm512_max_ps(mx, e);
+                        }
+                        const float lo = _mm512_reduce_min_ps(mn), hi = _mm512_reduce_max_ps(mx);
+                        const uint16_t z = f16_outward(lo, false);
+                        const float zf = f32_of(z);
+                        const uint16_t sc = f16_outward((hi - zf) / 255.0f, true);
+                        const float sf = f32_of(sc);
+                        const __m512 inv = _mm512_set1_ps(sf > 0.f ? 1.0f / sf : 0.f);
+                        for (int j = 0; j < gd; j += 16)
+                            _mm_storeu_si128((__m128i*)(v_codes + out + off + j),
+                                             codes16(load16(v, src + off + j, is_bf16), _mm512_set1_ps(zf), inv));
+                        v_scale[m] = sc;
+                        v_zero[m] = z;
+                        continue;
+                    }
+#endif
+                    quantize_group(v, src + off, 1, gd, is_bf16, v_codes, out + off, 1, v_scale, v_zero, m);
+                }
+    }
+    return 0;
+}
+#else
+extern "C" int quantize_int8_blocks(const void*, const void*, int, int64_t, const int64_t*, int, int, int, int, int,
+                                    uint8_t*, uint16_t*, uint16_t*, uint8_t*, uint16_t*, uint16_t*) {
+    return 1;  // no F16C: the torch path quantizes
+}
+#endif
