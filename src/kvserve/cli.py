@@ -83,26 +83,25 @@ class _Noop(argparse.Action):
         logger.info("%s: accepted, nothing to do (%s)", option_string, {**VLLM_NOOP, **VLLM_NOOP_VALUE}[self.dest])
 
 
-def _json_list(value: str) -> list[str]:
+def _json_flag(value: str, fits, what: str):
+    """A flag given as JSON (vLLM's CORS lists, --override-generation-config), checked for its shape."""
     import json
     try:
-        items = json.loads(value)
+        parsed = json.loads(value)
     except json.JSONDecodeError:
-        items = None
-    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON list of strings, e.g. '[\"http://localhost:3000\"]'")
-    return items
+        parsed = None
+    if not fits(parsed):
+        raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+    return parsed
+
+
+def _json_list(value: str) -> list[str]:
+    return _json_flag(value, lambda x: isinstance(x, list) and all(isinstance(i, str) for i in x),
+                      "a JSON list of strings, e.g. '[\"http://localhost:3000\"]'")
 
 
 def _json_object(value: str) -> dict:
-    import json
-    try:
-        obj = json.loads(value)
-    except json.JSONDecodeError:
-        obj = None
-    if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON object, e.g. '{{\"temperature\": 0.5}}'")
-    return obj
+    return _json_flag(value, lambda x: isinstance(x, dict), "a JSON object, e.g. '{\"temperature\": 0.5}'")
 
 
 def _non_negative(value: str) -> float:

@@ -192,8 +192,12 @@ class AsyncLLM:
                 self._cv.notify()
 
         n = len(self._streams)
-        logger.info("shutdown: %s", f"waiting up to {drain_seconds:.0f} s for {n} requests in flight"
-                    if drain_seconds > 0 and n else f"ending {n} requests in flight" if n else "no requests in flight")
+        if not n:
+            logger.info("shutdown: no requests in flight")
+        elif drain_seconds > 0:
+            logger.info("shutdown: waiting up to %.0f s for %d requests in flight", drain_seconds, n)
+        else:
+            logger.info("shutdown: ending %d requests in flight", n)
         timer = threading.Timer(drain_seconds, when_due)
         timer.daemon = True
         timer.start()

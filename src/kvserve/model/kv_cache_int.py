@@ -114,8 +114,7 @@ class IntPagedKVCache(QuantizedKVCache):
                 or v.dtype != k.dtype or k.shape != shape or v.shape != shape):
             return False
         k, v = k.contiguous(), v.contiguous()
-        dst = (torch.as_tensor(layer, dtype=torch.long) * self.num_blocks + block_ids).expand(block_ids.shape)
-        dst = dst.contiguous()
+        dst = (torch.as_tensor(layer, dtype=torch.long) * self.num_blocks + block_ids).contiguous()
         f = self.fields
         rc = self._quantize_int8(k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16), block_ids.numel(),
                                  dst.data_ptr(), self.block_size, self.num_kv_heads, self.head_dim,

@@ -404,15 +404,21 @@ static inline uint16_t f16_of(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUN
 static inline float f32_of(uint16_t h) { return _cvtsh_ss(h); }
 
 // The float16 nearest to t on the side that keeps the group's range inside (quant._round_meta):
-// one step toward -inf (zero point) or +inf (scale) when rounding went the wrong way.
+// one step toward -inf (zero point) or +inf (scale) when rounding went the wrong way. A zero
+// needs no case of its own: only a t of its sign rounds to it, so the step is away from zero.
 static inline uint16_t f16_outward(float t, bool up) {
-    uint16_t r = f16_of(t);
+    const uint16_t r = f16_of(t);
     const float rf = f32_of(r);
-    if (up ? rf < t : rf > t) {
-        if ((r & 0x7fff) == 0) r = up ? 0x0001 : 0x8001;
-        else r = ((r & 0x8000) != 0) == up ? r - 1 : r + 1;
-    }
-    return r;
+    if (!(up ? rf < t : rf > t)) return r;
+    return ((r & 0x8000) != 0) == up ? r - 1 : r + 1;  // magnitude down toward zero, else up
+}
+
+// A group's float16 zero point and scale from its range, and the reciprocal the codes use.
+static inline float group_meta(float mn, float mx, uint16_t* zero, uint16_t* scale) {
+    *zero = f16_outward(mn, false);
+    *scale = f16_outward((mx - f32_of(*zero)) / 255.0f, true);
+    const float sf = f32_of(*scale);
+    return sf > 0.f ? 1.0f / sf : 0.f;
 }
 
 static inline float load_x(const void* x, int64_t i, int is_bf16) {
@@ -434,11 +440,8 @@ static inline void quantize_group(const void* x, int64_t base, int64_t stride, i
         mn = v < mn ? v : mn;
         mx = v > mx ? v : mx;
     }
-    const uint16_t z = f16_outward(mn, false);
-    const float zf = f32_of(z);
-    const uint16_t s = f16_outward((mx - zf) / 255.0f, true);
-    const float sf = f32_of(s);
-    const float inv = sf > 0.f ? 1.0f / sf : 0.f;
+    uint16_t z, s;
+    const float inv = group_meta(mn, mx, &z, &s), zf = f32_of(z);
     for (int j = 0; j < g; ++j) {
         float q = nearbyintf((load_x(x, base + j * stride, is_bf16) - zf) * inv);
         q = q < 0.f ? 0.f : (q > 255.f ? 255.f : q);
@@ -462,12 +465,10 @@ static inline __m256i f16_outward16(__m512 t, bool up) {
     const __m512 rf = _mm512_cvtph_ps(r16);
     const __mmask16 wrong = _mm512_cmp_ps_mask(rf, t, up ? _CMP_LT_OQ : _CMP_GT_OQ);
     const __m512i r = _mm512_cvtepu16_epi32(r16);
-    const __mmask16 zero = _mm512_testn_epi32_mask(r, _mm512_set1_epi32(0x7fff));
     const __mmask16 neg = _mm512_test_epi32_mask(r, _mm512_set1_epi32(0x8000));
-    const __mmask16 toward_zero = up ? neg : (__mmask16)~neg;  // magnitude - 1, else + 1
-    __m512i stepped = _mm512_mask_sub_epi32(_mm512_add_epi32(r, _mm512_set1_epi32(1)), toward_zero, r,
-                                            _mm512_set1_epi32(1));
-    stepped = _mm512_mask_mov_epi32(stepped, zero, _mm512_set1_epi32(up ? 0x0001 : 0x8001));
+    const __mmask16 toward_zero = up ? neg : (__mmask16)~neg;  // magnitude - 1, else + 1 (f16_outward)
+    const __m512i stepped = _mm512_mask_sub_epi32(_mm512_add_epi32(r, _mm512_set1_epi32(1)), toward_zero, r,
+                                                  _mm512_set1_epi32(1));
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, wrong, stepped));
 }
 
@@ -544,15 +545,13 @@ extern "C" int quantize_int8_blocks(const void* k, const void* v, int is_bf16, i
                             mn = _mm512_min_ps(mn, e);
                             mx = _mm512_max_ps(mx, e);
                         }
-                        const float lo = _mm512_reduce_min_ps(mn), hi = _mm512_reduce_max_ps(mx);
-                        const uint16_t z = f16_outward(lo, false);
-                        const float zf = f32_of(z);
-                        const uint16_t sc = f16_outward((hi - zf) / 255.0f, true);
-                        const float sf = f32_of(sc);
-                        const __m512 inv = _mm512_set1_ps(sf > 0.f ? 1.0f / sf : 0.f);
+                        uint16_t z, sc;
+                        const __m512 inv = _mm512_set1_ps(group_meta(_mm512_reduce_min_ps(mn), _mm512_reduce_max_ps(mx),
+                                                                     &z, &sc));
+                        const __m512 zf = _mm512_set1_ps(f32_of(z));
                         for (int j = 0; j < gd; j += 16)
                             _mm_storeu_si128((__m128i*)(v_codes + out + off + j),
-                                             codes16(load16(v, src + off + j, is_bf16), _mm512_set1_ps(zf), inv));
+                                             codes16(load16(v, src + off + j, is_bf16), zf, inv));
                         v_scale[m] = sc;
                         v_zero[m] = z;
                         continue;
