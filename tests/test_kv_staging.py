@@ -41,15 +41,16 @@ def cfg(heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> ModelConfig:
 
 
 def make_cache(variant: str, num_blocks: int, block_size: int = 16, kv_heads: int = 3, head_dim: int = 64,
-               num_residual_blocks: int | None = None):
+               num_residual_blocks: int | None = None, seal_at_step_end: bool = False):
     c = cfg(kv_heads * 3, kv_heads, head_dim)
     kw = dict(num_blocks=num_blocks, block_size=block_size, dtype=torch.bfloat16,
-              num_residual_blocks=num_residual_blocks)
+              num_residual_blocks=num_residual_blocks, seal_at_step_end=seal_at_step_end)
     if variant.startswith("fp8"):
         kind = "fp8_e5m2" if "e5m2" in variant else "fp8_e4m3"
         if "static" in variant:
             scales = KVScales(torch.tensor([0.05, 0.04]), torch.full((2, kv_heads), 0.03))
             kw.pop("num_residual_blocks")
+            kw.pop("seal_at_step_end")
             return Fp8PagedKVCache(c, kv_cache_dtype=kind, kv_scales=scales, **kw)
         gran = "tensor" if "tensor" in variant else "head"
         return Fp8PagedKVCache(c, kv_cache_dtype=kind, scale_granularity=gran,
@@ -230,6 +231,8 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
     monkeypatch.setattr(torch_backend.TorchAttentionBackend, "_staged_plans", spy)
     llm = LLM(None, dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 2**20, kv_cache_dtype=kv_cache_dtype,
               max_num_seqs=8)
+    # int8 decode steps would read the codes in place (test_kv_decode_codes.py): staged here.
+    llm.engine.runner.model.attn.decode_on_codes = False
     rng = random.Random(4)
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in (5, 40, 130, 17, 64, 9, 100, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)

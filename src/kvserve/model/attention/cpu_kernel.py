@@ -8,6 +8,8 @@ Two kernels read every sequence's K/V straight out of its blocks:
   - csrc/paged_attention_bf16.cpp: decodes *and* prefill chunks of every sequence in one call
     (varlen), bf16 through AVX512-BF16 dot products; built where the CPU has them. It reads the
     KV cache's "pairs" layout (kv_cache.py), whose writes `store_kv_pairs` does.
+  - csrc/decode_quantized.cpp: decodes over a quantized (int8) cache's codes in place, the
+    dequantization folded into the query and the probabilities.
 
 The sources are compiled with `g++ -O3 -march=native -fopenmp` into one library in a cache
 directory keyed by the sources, the compiler and the CPU's flags, and called through ctypes (no
@@ -39,8 +41,9 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # One library for every compiled CPU op: the attention kernels here and the decoder's bf16
 # elementwise steps (model/csrc, called from model/fused.py).
 _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "stage_quantized.cpp",
-            CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp")
-_HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h",)  # part of the cache key, not compiled alone
+            CSRC / "decode_quantized.cpp", CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp")
+# Part of the cache key, not compiled alone.
+_HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC / "quant_fields.h")
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _HEAD_DIMS = (64, 128)  # unrolled instances; others up to _MAX_HEAD_DIM use the generic one
@@ -85,6 +88,10 @@ _RESIDUAL_WRITE_ARGTYPES = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P
 # k, v, is_bf16, n, dst, block_size, hkv, head_dim, key group, value group, k codes / scale / zero, v ...
 _QUANT_INT8_ARGTYPES = [_P, _P, ctypes.c_int, _I64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                         ctypes.c_int, _P, _P, _P, _P, _P, _P]
+# kf, vf, res, block_res, q, out, q_rows, q_stride, out_stride, block_tables, bt_stride, seq_lens, n, hq,
+# hkv, block_size, scale
+_QDECODE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P, _P, _P, _I64, _I64, _P, _I64,
+                     _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
 _ELEMENTWISE_ARGTYPES = {  # model/csrc/elementwise_bf16.cpp
     "add_rms_norm_bf16": [_P, _P, _I64, _P, _P, _I64, _I64, ctypes.c_float],  # h, delta, its stride, w, out, T, H, eps
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _P, _P],  # x, x_stride, T, nheads, D, cos, sin_signed
@@ -164,6 +171,10 @@ def load_library() -> ctypes.CDLL | None:
             lib.residual_write_rows.restype = ctypes.c_int
             lib.quantize_int8_blocks.argtypes = _QUANT_INT8_ARGTYPES
             lib.quantize_int8_blocks.restype = ctypes.c_int
+            for d in _HEAD_DIMS:
+                fn = getattr(lib, f"decode_quantized_d{d}")
+                fn.argtypes = _QDECODE_ARGTYPES
+                fn.restype = ctypes.c_int
             for name, argtypes in _ELEMENTWISE_ARGTYPES.items():
                 getattr(lib, name).argtypes = argtypes
                 getattr(lib, name).restype = None
@@ -208,6 +219,18 @@ def quantize_int8_kernel():
     quant.quantize_groups), or None."""
     lib = load_library()
     return None if lib is None else lib.quantize_int8_blocks
+
+
+def quantized_decode_kernel_for(head_dim: int, device: torch.device):
+    """`decode_quantized_d{head_dim}` (decode attention over a quantized cache's codes, csrc/
+    decode_quantized.cpp) where this CPU has AVX512-BF16 and the head size has an instance, else
+    None. It returns 1 for a cache layout it does not read (then stage instead)."""
+    if device.type != "cpu" or head_dim not in _HEAD_DIMS:
+        return None
+    lib = load_library()
+    if lib is None or not lib.stage_quantized_available():
+        return None
+    return getattr(lib, f"decode_quantized_d{head_dim}")
 
 
 def elementwise_kernels():

@@ -93,6 +93,29 @@ def step_token_slots(tables: np.ndarray, start_pos: np.ndarray, query_lens: np.n
     return tables[seq, pos // block_size] * block_size + pos % block_size
 
 
+class CacheDescription:
+    """A quantized cache's layers as the compiled kernels take them (csrc/quant_fields.h): K and V
+    `QFieldC`, and the bf16 residual pool's rows and entry-per-block pointers (None without one).
+    Built once per layer: the cache's tensors persist, and only their contents change."""
+
+    def __init__(self) -> None:
+        self._cache = None
+        self._layers: dict[int, tuple] = {}
+
+    def layer(self, kv_cache, layer: int) -> tuple[QFieldC, QFieldC, int | None, int | None]:
+        if kv_cache is not self._cache:
+            self._cache, self._layers = kv_cache, {}
+        if layer not in self._layers:
+            kf, vf = kv_cache.dequant_fields(layer)
+            res = kv_cache.residual(layer)
+            if res is not None and res[0].dtype != torch.bfloat16:
+                raise TypeError("the quantized-cache kernels read bf16 residual rows only")
+            self._layers[layer] = (_field_c(kf), _field_c(vf), *((None, None) if res is None else
+                                                                 (res[0].data_ptr(), res[1].data_ptr())),
+                                   (kf, vf, res))  # keeps the described views alive
+        return self._layers[layer][:4]
+
+
 class StageScratch:
     """The bf16 pairs-layout scratch a part is dequantized into (grown on demand, reused), and
     the way there: the compiled `stage_quantized_pairs`, or, where it is not built, the cache's
@@ -104,8 +127,7 @@ class StageScratch:
         self.slots = torch.zeros(0, dtype=torch.int64)
         self._stage = stage_quantized_kernel()
         self._store_pairs = store_pairs_kernel()
-        self._fields: dict[int, tuple] = {}  # layer -> ctypes descriptions (the cache's tensors persist)
-        self._cache = None
+        self.described = CacheDescription()
 
     def fill(self, kv_cache, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize `block_ids` of `layer` into scratch blocks 0..U-1; returns (K, V) storage
@@ -119,7 +141,7 @@ class StageScratch:
             self.k = torch.empty(cap, *shape, dtype=torch.bfloat16)
             self.v = torch.empty(cap, H, bs // 2, D, 2, dtype=torch.bfloat16)
         if self._stage is not None:
-            kf, vf, res, block_res = self._described(kv_cache, layer)
+            kf, vf, res, block_res = self.described.layer(kv_cache, layer)
             self._stage(ctypes.byref(kf), ctypes.byref(vf), res, block_res, block_ids.data_ptr(), u,
                         self.k.data_ptr(), self.v.data_ptr(), H, D, bs)
             return self.k, self.v
@@ -138,16 +160,3 @@ class StageScratch:
             k, v = k.contiguous(), v.contiguous()
         self._store_pairs(k.data_ptr(), v.data_ptr(), slots.data_ptr(), slots.numel(), k.stride(0), v.stride(0),
                           self.k.data_ptr(), self.v.data_ptr(), H, D, block_size)
-
-    def _described(self, kv_cache, layer: int) -> tuple:
-        if kv_cache is not self._cache:
-            self._cache, self._fields = kv_cache, {}
-        if layer not in self._fields:
-            kf, vf = kv_cache.dequant_fields(layer)
-            res = kv_cache.residual(layer)
-            if res is not None and res[0].dtype != torch.bfloat16:
-                raise TypeError("the staging kernel copies bf16 residual rows only")
-            self._fields[layer] = (_field_c(kf), _field_c(vf), *((None, None) if res is None else
-                                                                 (res[0].data_ptr(), res[1].data_ptr())),
-                                   (kf, vf, res))  # keeps the described views alive
-        return self._fields[layer][:4]

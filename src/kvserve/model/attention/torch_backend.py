@@ -18,6 +18,7 @@ A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` o
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -27,9 +28,9 @@ import torch.nn.functional as F
 
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.cascade import NO_GROUPS, PrefixGroups, shared_prefix_groups
-from kvserve.model.attention.cpu_kernel import decode_kernel_for, varlen_kernel_for
-from kvserve.model.attention.staging import (STAGE_BYTES, StagePart, StageScratch, plan_stage_parts,
-                                              step_token_slots)
+from kvserve.model.attention.cpu_kernel import decode_kernel_for, quantized_decode_kernel_for, varlen_kernel_for
+from kvserve.model.attention.staging import (STAGE_BYTES, CacheDescription, StagePart, StageScratch,
+                                              plan_stage_parts, step_token_slots)
 from kvserve.model.kv_cache import KVCache, PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,13 @@ class _StagedPlan:  # one part of a step over a quantized cache (staging.py)
 
 
 @dataclass
+class _CodesDecodePlan:  # a decode-only step over a quantized cache, read in place (decode_quantized.cpp)
+    rows: torch.Tensor  # [S] int64: each sequence's token row
+    block_tables: torch.Tensor  # [S, max_blocks] int64, contiguous
+    seq_lens: torch.Tensor  # [S] int64
+
+
+@dataclass
 class _KernelDecodePlan:
     token_ids: torch.Tensor  # [Nd] long, contiguous: token rows of the decodes
     block_tables: torch.Tensor  # [Nd, max_blocks] long, contiguous
@@ -77,14 +85,19 @@ class _KernelDecodePlan:
 
 class TorchAttentionBackend(AttentionBackend):
 
-    def __init__(self, *args, use_cpu_kernel: bool = True, cascade: bool = True, **kwargs) -> None:
+    def __init__(self, *args, use_cpu_kernel: bool = True, cascade: bool = True,
+                 decode_on_codes: bool = True, **kwargs) -> None:
         """`use_cpu_kernel=False` keeps every decode on the SDPA path (reference for tests);
-        `cascade=False` has the varlen kernel read shared prefixes once per sequence."""
+        `cascade=False` has the varlen kernel read shared prefixes once per sequence;
+        `decode_on_codes=False` stages decode-only steps over a quantized cache too."""
         super().__init__(*args, **kwargs)
         self.use_cpu_kernel = use_cpu_kernel
         self.cascade = cascade
+        self.decode_on_codes = decode_on_codes
         self._kernels: dict[tuple[str, torch.dtype, torch.device], object] = {}
         self._scratch: StageScratch | None = None
+        self._described = CacheDescription()
+        self._codes_unreadable: object | None = None  # the cache whose layout the codes kernel declined
 
     def kv_cache_layout(self, kv_cache_dtype: str, dtype: torch.dtype, block_size: int,
                         device: torch.device) -> str:
@@ -132,6 +145,8 @@ class TorchAttentionBackend(AttentionBackend):
             return out
         staged = self._kernel("staged", q, kv_cache)
         if staged is not None:
+            if self._decode_on_codes(layer, q, out, kv_cache, meta):
+                return out
             for plan in self._staged_plans(meta, kv_cache):
                 k_cache, v_cache = self._scratch.fill(kv_cache, layer, plan.part.block_ids)
                 self._scratch.overlay(k[plan.rows], v[plan.rows], plan.slots, kv_cache.block_size)
@@ -146,6 +161,38 @@ class TorchAttentionBackend(AttentionBackend):
         elif decode is not None:
             out[decode.token_ids] = self._decode(layer, decode, q, kv_cache)
         return out
+
+    def _decode_on_codes(self, layer: int, q: torch.Tensor, out: torch.Tensor, kv_cache: KVCache,
+                         meta: AttentionMetadata) -> bool:
+        """A decode-only step over a quantized cache, attended over the codes in place
+        (csrc/decode_quantized.cpp) instead of staged; False when that does not apply."""
+        # The step's own tokens must still be at full precision in the residual pool when the
+        # kernel runs, as the staged path's overlay has them: so only caches with a residual pool
+        # (not static fp8 scales, not per-token int keys) that seal at step end.
+        if (not self.decode_on_codes or self.sliding_window is not None or meta.num_decodes != meta.num_seqs
+                or kv_cache is self._codes_unreadable or not getattr(kv_cache, "staged", False)
+                or not getattr(kv_cache, "seal_at_step_end", False)):
+            return False
+        key = ("codes", q.dtype, q.device)
+        if key not in self._kernels:
+            self._kernels[key] = quantized_decode_kernel_for(self.head_dim, q.device)
+        kernel = self._kernels[key]
+        if kernel is None:
+            return False
+        if "codes" not in meta.backend_state:
+            meta.backend_state["codes"] = _CodesDecodePlan(
+                torch.tensor(meta.query_start_loc[:-1], dtype=torch.int64), meta.block_tables.contiguous(),
+                torch.tensor(meta.seq_lens, dtype=torch.int64))
+        plan = meta.backend_state["codes"]
+        kf, vf, res, block_res = self._described.layer(kv_cache, layer)
+        rc = kernel(ctypes.byref(kf), ctypes.byref(vf), res, block_res, q.data_ptr(), out.data_ptr(),
+                    plan.rows.data_ptr(), q.stride(0), out.stride(0), plan.block_tables.data_ptr(),
+                    plan.block_tables.shape[1], plan.seq_lens.data_ptr(), meta.num_seqs, self.num_heads,
+                    self.num_kv_heads, kv_cache.block_size, self.scale)
+        if rc != 0:  # a format it does not read (int4, fp8): this cache stages from now on
+            self._codes_unreadable = kv_cache
+            return False
+        return True
 
     # -- per-step planning (same for every layer, so built once and cached in the metadata) --
 

@@ -1,0 +1,497 @@
+// Decode attention straight over a quantized KV cache's codes (attention/quantized_decode.py):
+// no dequantized copy of the blocks is made.
+//
+// The staging pass (stage_quantized.cpp) turns every block a step reads into bf16 before the
+// varlen kernel reads it: ~0.5 ns of per-element work on 2 cores, ~25-30 ms of a batch-64 int8
+// decode step whose bf16 counterpart takes ~60 (bench/NOTES.md, sessions 5-6). Here the
+// dequantization formula x = ((code - offset) * scale + zero) * 2^e is folded into the
+// attention's own arithmetic instead, which works for the groupings the caches use:
+//   keys   (scale, zero, exponent constant over a block's 16-token span, per channel d: KIVI's
+//          per-channel keys, fp8's per-block scale and key means):
+//            q . k_t = sum_d (q_d s_d) c_td + sum_d q_d z_d
+//          so the query row is multiplied by the scales once per span, the zero points become one
+//          number per row, and the scores are dot products with the raw codes;
+//   values (scale, zero, exponent constant over 16-channel chunks, per token t: KIVI's per-token
+//          values, fp8's per-block scale):
+//            sum_t p_t v_td = sum_t (p_t s_tc) c_td + sum_t p_t z_tc
+//          so each probability is multiplied by its token's scale, and the zero points add one
+//          sum per chunk.
+// The arithmetic is float32 throughout: codes are exact in float32, so this is *closer* to the
+// dequantized values than the staged bf16 copy (which rounds every value to 8 significant bits).
+// Blocks still open in the residual pool are read from their bf16 rows.
+//
+// Keys are stored token-major ([bs][hkv][dh] bytes per block): each 16-token span of a head is
+// transposed in registers (16x16 of 32-bit words, i.e. 4 channels per word) so that a register
+// holds one channel's code for 16 keys and the scores need no horizontal sums.
+//
+// Work item = (sequence, K/V head, span of blocks); a long context is split into several spans
+// whose softmax states (max, sum, unnormalised output) are merged afterwards (flash-decoding),
+// so one sequence still keeps both cores busy.
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <algorithm>
+#include <vector>
+#include <omp.h>
+
+#include "quant_fields.h"
+
+#if defined(KVS_HAVE_QUANT_FIELDS) && defined(__AVX512BF16__)
+#include "../../csrc/avx512_exp.h"
+#define KVS_HAVE_QDECODE 1
+
+namespace {
+
+constexpr int SPAN = 16;  // keys per softmax step: one register of scores
+
+inline __m512 bf16x16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// 16 lanes of m's value at tokens t0..t0+15 of block b, head h, channel group offset `go`
+// (= (d0 / gd) * sd for chunk d0; m is constant over each 16-channel chunk: gd % 16 == 0).
+template <int MK>
+inline __m512 token_lanes(const MetaRef& m, int64_t b, int t0, int h, int64_t go) {
+    const int64_t base = b * m.sb + (int64_t)h * m.sh + go;
+    if (m.gt % SPAN == 0 || m.st == 0)  // one value for the 16 tokens
+        return _mm512_set1_ps(meta_load<MK>(m.ptr, base + (int64_t)(t0 / m.gt) * m.st));
+    if (m.gt == 1 && MK <= 1) {  // per token (KIVI's values): one gather
+        const int64_t first = base + (int64_t)t0 * m.st;
+        const __m512i lane = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32((int)m.st));
+        if constexpr (MK == 0) return _mm512_i32gather_ps(lane, (const float*)m.ptr + first, 4);
+        // float16: 32-bit loads at each element, the last lane's one element lower (its high half),
+        // so that no load reaches past the element of lane 15, the last one read.
+        const __m512i at = _mm512_sub_epi32(lane, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1));
+        __m512i x = _mm512_i32gather_epi32(at, (const uint16_t*)m.ptr + first, 2);
+        x = _mm512_srlv_epi32(x, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16));
+        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+    }
+    alignas(64) float lanes[SPAN];
+    for (int i = 0; i < SPAN; ++i) lanes[i] = meta_load<MK>(m.ptr, base + (int64_t)((t0 + i) / m.gt) * m.st);
+    return _mm512_load_ps(lanes);
+}
+
+inline __m512 token_lanes(const MetaRef& m, int64_t b, int t0, int h, int64_t go) {
+    switch (m.kind) {
+        case 0: return token_lanes<0>(m, b, t0, h, go);
+        case 1: return token_lanes<1>(m, b, t0, h, go);
+        case 2: return token_lanes<2>(m, b, t0, h, go);
+        default: return token_lanes<3>(m, b, t0, h, go);
+    }
+}
+
+// Per-channel effective scale and zero of a key span: x = code * s + z, with s = scale * 2^e and
+// z = (zero - offset * scale) * 2^e.
+template <int DH>
+void key_fold(const QField& f, int64_t b, int t0, int h, float* s, float* z, float* tmp) {
+    expand_group(f.scale, b, t0 / f.scale.gt, h, DH, s);
+    if (f.zero.ptr) expand_group(f.zero, b, t0 / f.zero.gt, h, DH, z);
+    else memset(z, 0, sizeof(float) * DH);
+    const __m512 off = _mm512_set1_ps(f.code_offset);
+    if (f.expo.ptr) expand_group(f.expo, b, t0 / f.expo.gt, h, DH, tmp);
+    for (int d = 0; d < DH; d += 16) {
+        const __m512 sc = _mm512_load_ps(s + d);
+        __m512 zr = _mm512_fnmadd_ps(off, sc, _mm512_load_ps(z + d));
+        __m512 sr = sc;
+        if (f.expo.ptr) {
+            const __m512 e = _mm512_load_ps(tmp + d);
+            sr = _mm512_mul_ps(sr, e);
+            zr = _mm512_mul_ps(zr, e);
+        }
+        _mm512_store_ps(s + d, sr);
+        _mm512_store_ps(z + d, zr);
+    }
+}
+
+// Where a value field's chunks find their group (computed once per call, not per span).
+struct ValueChunks {
+    int64_t go[3][16];  // scale, zero, exponent: (16 c / gd) * sd per chunk c (dh <= 256)
+    bool repeat[16];    // chunk c reads the same groups as chunk c - 1
+};
+
+ValueChunks value_chunks(const QField& f, int dh) {
+    ValueChunks vc;
+    const MetaRef* ms[3] = {&f.scale, &f.zero, &f.expo};
+    for (int c = 0; c < dh / 16; ++c) {
+        vc.repeat[c] = c > 0;
+        for (int i = 0; i < 3; ++i) {
+            if (!ms[i]->ptr) continue;
+            vc.go[i][c] = (int64_t)((16 * c) / ms[i]->gd) * ms[i]->sd;
+            if (c > 0 && (16 * c) / ms[i]->gd != (16 * c - 16) / ms[i]->gd) vc.repeat[c] = false;
+        }
+    }
+    return vc;
+}
+
+// The same for a value span, as token lanes per 16-channel chunk: s[c], z[c].
+template <int DH>
+void value_fold(const QField& f, const ValueChunks& vc, int64_t b, int t0, int h, __m512* s, __m512* z) {
+    const __m512 off = _mm512_set1_ps(f.code_offset);
+    for (int c = 0; c < DH / 16; ++c) {
+        if (vc.repeat[c]) {
+            s[c] = s[c - 1];
+            z[c] = z[c - 1];
+            continue;
+        }
+        const __m512 sc = token_lanes(f.scale, b, t0, h, vc.go[0][c]);
+        __m512 zr = f.zero.ptr ? token_lanes(f.zero, b, t0, h, vc.go[1][c]) : _mm512_setzero_ps();
+        zr = _mm512_fnmadd_ps(off, sc, zr);
+        __m512 sr = sc;
+        if (f.expo.ptr) {
+            const __m512 e = token_lanes(f.expo, b, t0, h, vc.go[2][c]);
+            sr = _mm512_mul_ps(sr, e);
+            zr = _mm512_mul_ps(zr, e);
+        }
+        s[c] = sr;
+        z[c] = zr;
+    }
+}
+
+// Byte c of every 32-bit lane, moved to byte `pos` of the lane and the rest zeroed (vpshufb picks
+// within 128-bit lanes).
+inline __m512i byte_picker(int c, int pos) {
+    const __m512i word = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+    const __m512i src = _mm512_add_epi32(word, _mm512_set1_epi32(c));  // source byte, 0..15
+    const __m512i zeroed = _mm512_set1_epi32((int)(0x80808080u & ~(0xffu << (8 * pos))));  // high bit: a zero byte
+    return _mm512_or_si512(_mm512_sllv_epi32(src, _mm512_set1_epi32(8 * pos)), zeroed);
+}
+
+// Where the byte goes in its lane, per code kind: uint8 low byte; e4m3 top byte (then shifted
+// into float32's exponent and mantissa); e5m2 second byte (float16's high byte).
+constexpr int code_byte_pos(int ck) { return ck == 0 ? 0 : ck == 2 ? 3 : 1; }
+
+// e4m3 bits b at the top of a 32-bit lane -> the float32 with b's value times 2^-120: sign stays
+// at bit 31, exponent and mantissa shift into place (an arithmetic shift, the sign's copies
+// masked off). Exact for subnormals too, which become float32 denormals; the multiply by 2^120
+// brings them back (hence no kernel when denormals are flushed: MXCSR.DAZ, see decode()).
+inline __m512 e4m3_top(__m512i x) {
+    const __m512 f = _mm512_castsi512_ps(_mm512_and_si512(_mm512_srai_epi32(x, 4), _mm512_set1_epi32((int)0x87f00000)));
+    return _mm512_mul_ps(f, _mm512_set1_ps(0x1p120f));
+}
+
+// 16 codes from a lane picked by byte_picker(c, code_byte_pos(CK)), as float32.
+template <int CK>
+inline __m512 lane_codes(__m512i x) {
+    if constexpr (CK == 0) return _mm512_cvtepi32_ps(x);
+    else if constexpr (CK == 2) return e4m3_top(x);
+    else return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+}
+
+// 16 consecutive codes of a row, as float32.
+template <int CK>
+inline __m512 row_codes(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p);
+    if constexpr (CK == 0) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+    else if constexpr (CK == 2) return e4m3_top(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 24));
+    else return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+}
+
+// Scores of R query rows against the 16 keys of a sealed span: sum_d qk[r][d] * code_td.
+// codes: the span's first token row of head h; row: bytes between token rows.
+template <int DH, int R, int CK>
+inline void span_scores(const uint8_t* codes, int64_t row, const float* qk, __m512* sc) {
+    constexpr int pos = code_byte_pos(CK);
+    const __m512i pick[4] = {byte_picker(0, pos), byte_picker(1, pos), byte_picker(2, pos), byte_picker(3, pos)};
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int j0 = 0; j0 < DH; j0 += 64) {  // 64 channels = 16 words of 4 per token row
+        __m512i w[16];
+        for (int t = 0; t < 16; ++t) w[t] = _mm512_loadu_si512(codes + t * row + j0);
+        transpose16_regs(w);  // w[j]: channels j0 + 4j .. +3 of the 16 keys
+        for (int j = 0; j < 16; ++j)
+            for (int c = 0; c < 4; ++c) {
+                const __m512 x = lane_codes<CK>(_mm512_shuffle_epi8(w[j], pick[c]));
+                const int d = j0 + 4 * j + c;
+                for (int r = 0; r < R; ++r)
+                    acc[r][c & 1] = _mm512_fmadd_ps(x, _mm512_set1_ps(qk[r * DH + d]), acc[r][c & 1]);
+            }
+    }
+    for (int r = 0; r < R; ++r) sc[r] = _mm512_add_ps(acc[r][0], acc[r][1]);
+}
+
+// Scores against an open span's bf16 rows (row: elements between token rows).
+template <int DH, int R>
+inline void open_span_scores(const uint16_t* k, int64_t row, int n, const float* qf, __m512* sc) {
+    alignas(64) float s[R][SPAN];
+    for (int t = 0; t < n; ++t) {
+        __m512 x[DH / 16];
+        for (int c = 0; c < DH / 16; ++c) x[c] = bf16x16(k + t * row + 16 * c);
+        for (int r = 0; r < R; ++r) {
+            __m512 a = _mm512_mul_ps(x[0], _mm512_load_ps(qf + r * DH));
+            for (int c = 1; c < DH / 16; ++c) a = _mm512_fmadd_ps(x[c], _mm512_load_ps(qf + r * DH + 16 * c), a);
+            s[r][t] = _mm512_reduce_add_ps(a);
+        }
+    }
+    for (int r = 0; r < R; ++r) sc[r] = _mm512_load_ps(s[r]);  // lanes >= n are masked by the caller
+}
+
+struct SpanState {  // one query row's online-softmax state
+    float m, l;
+};
+
+// One work item: R query rows (heads h * g + r0 ..) of a sequence against the keys of blocks
+// [b0, b1) of its table, up to seq_len. Leaves the unnormalised state: m, l, acc [R][DH].
+template <int DH, int R, int CK>
+void attend_span(const QField& kf, const QField& vf, const ValueChunks& vch, const uint16_t* res, const int64_t* block_res,
+                 const uint16_t* q, float scale, const int64_t* table, int64_t b0, int64_t b1, int64_t seq_len,
+                 int h, int hkv, int bs, SpanState* st, float* acc_out) {
+    constexpr int NC = DH / 16;
+    alignas(64) float qf[R * DH], qk[R * DH], ks[DH], kz[DH], tmp[DH];
+    alignas(64) float w[R][NC][SPAN];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c)
+            _mm512_store_ps(qf + r * DH + 16 * c, _mm512_mul_ps(bf16x16(q + r * DH + 16 * c), _mm512_set1_ps(scale)));
+    __m512 acc[R][NC], zacc[R][NC];
+    float m[R], l[R], zt[R];
+    for (int r = 0; r < R; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        for (int c = 0; c < NC; ++c) acc[r][c] = zacc[r][c] = _mm512_setzero_ps();
+    }
+    const int64_t row = (int64_t)hkv * DH;  // codes (bytes) or residual elements between token rows
+    const int kgt = std::min({kf.scale.gt, kf.zero.ptr ? kf.zero.gt : bs, kf.expo.ptr ? kf.expo.gt : bs});
+    for (int64_t b = b0; b < b1; ++b) {
+        const int64_t blk = table[b];
+        const int64_t e = block_res ? block_res[blk] : -1;
+        const uint8_t* kc = kf.codes + blk * kf.code_block + (int64_t)h * DH;
+        const uint8_t* vc = vf.codes + blk * vf.code_block + (int64_t)h * DH;
+        const uint8_t* kn = nullptr;  // the block two ahead: blocks sit anywhere in the pool
+        const uint8_t* vn = nullptr;
+        if (b + 2 < b1) {
+            const int64_t nb = table[b + 2];
+            kn = kf.codes + nb * kf.code_block + (int64_t)h * DH;
+            vn = vf.codes + nb * vf.code_block + (int64_t)h * DH;
+            prefetch_metas(kf, nb);  // every head's: the block's few lines for all of them
+            prefetch_metas(vf, nb);
+        }
+        for (int t0 = 0; t0 < bs; t0 += SPAN) {
+            const int64_t p0 = b * bs + t0;
+            if (p0 >= seq_len) break;
+            const int n = (int)std::min<int64_t>(SPAN, seq_len - p0);
+            __m512 sc[R], vs[DH / 16], vz[DH / 16];
+            // The value metadata first: its loads (gathers, likely cache misses) then overlap
+            // with the key work instead of stalling the value loop.
+            if (e < 0) value_fold<DH>(vf, vch, blk, t0, h, vs, vz);
+            const uint16_t* ko = nullptr;
+            if (e >= 0) {
+                ko = res + ((int64_t)e * 2 * bs + t0) * row + (int64_t)h * DH;
+                open_span_scores<DH, R>(ko, row, n, qf, sc);
+            } else {
+                if (t0 % kgt == 0) {
+                    key_fold<DH>(kf, blk, t0, h, ks, kz, tmp);
+                    for (int r = 0; r < R; ++r) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int c = 0; c < NC; ++c) {
+                            const __m512 x = _mm512_load_ps(qf + r * DH + 16 * c);
+                            _mm512_store_ps(qk + r * DH + 16 * c, _mm512_mul_ps(x, _mm512_load_ps(ks + 16 * c)));
+                            a = _mm512_fmadd_ps(x, _mm512_load_ps(kz + 16 * c), a);
+                        }
+                        zt[r] = _mm512_reduce_add_ps(a);
+                    }
+                }
+                span_scores<DH, R, CK>(kc + t0 * row, row, qk, sc);
+                for (int r = 0; r < R; ++r) sc[r] = _mm512_add_ps(sc[r], _mm512_set1_ps(zt[r]));
+            }
+            const __mmask16 valid = (__mmask16)((1u << n) - 1);
+            __m512 p[R];
+            for (int r = 0; r < R; ++r) {
+                const float mx = _mm512_mask_reduce_max_ps(valid, sc[r]);
+                const float mn = std::max(m[r], mx);
+                const float alpha = expf(m[r] - mn);  // 0 on the first span (m = -inf)
+                p[r] = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc[r], _mm512_set1_ps(mn))));
+                l[r] = l[r] * alpha + _mm512_reduce_add_ps(p[r]);
+                m[r] = mn;
+                if (alpha != 1.f) {
+                    const __m512 a = _mm512_set1_ps(alpha);
+                    for (int c = 0; c < NC; ++c) {
+                        acc[r][c] = _mm512_mul_ps(acc[r][c], a);
+                        zacc[r][c] = _mm512_mul_ps(zacc[r][c], a);
+                    }
+                }
+            }
+            if (e >= 0) {
+                const uint16_t* vo = ko + (int64_t)bs * row;
+                alignas(64) float pr[R][SPAN];
+                for (int r = 0; r < R; ++r) _mm512_store_ps(pr[r], p[r]);
+                for (int t = 0; t < n; ++t)
+                    for (int c = 0; c < NC; ++c) {
+                        const __m512 x = bf16x16(vo + t * row + 16 * c);
+                        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(x, _mm512_set1_ps(pr[r][t]), acc[r][c]);
+                    }
+                continue;
+            }
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < NC; ++c) {
+                    _mm512_store_ps(w[r][c], _mm512_mul_ps(p[r], vs[c]));
+                    zacc[r][c] = _mm512_fmadd_ps(p[r], vz[c], zacc[r][c]);
+                }
+            const uint8_t* v0 = vc + t0 * row;
+            for (int t = 0; t < n; ++t) {
+                if (kn) {
+                    __builtin_prefetch(kn + (t0 + t) * row);
+                    __builtin_prefetch(vn + (t0 + t) * row);
+                }
+                for (int c = 0; c < NC; ++c) {
+                    const __m512 x = row_codes<CK>(v0 + t * row + 16 * c);
+                    for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(x, _mm512_set1_ps(w[r][c][t]), acc[r][c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        st[r].m = m[r];
+        st[r].l = l[r];
+        for (int c = 0; c < NC; ++c)
+            _mm512_storeu_ps(acc_out + r * DH + 16 * c,
+                             _mm512_add_ps(acc[r][c], _mm512_set1_ps(_mm512_reduce_add_ps(zacc[r][c]))));
+    }
+}
+
+template <int DH, int CK>
+void attend_rows(int rows, const QField& kf, const QField& vf, const ValueChunks& vch, const uint16_t* res,
+                 const int64_t* block_res,
+                 const uint16_t* q, float scale, const int64_t* table, int64_t b0, int64_t b1, int64_t seq_len,
+                 int h, int hkv, int bs, SpanState* st, float* acc) {
+    constexpr int RMAX = DH <= 64 ? 4 : 2;  // accumulators: R * DH / 16 registers
+    for (int r = 0; r < rows; r += RMAX) {
+        const int n = std::min(RMAX, rows - r);
+        const uint16_t* qr = q + (int64_t)r * DH;
+#define KVS_ROWS(N) attend_span<DH, N, CK>(kf, vf, vch, res, block_res, qr, scale, table, b0, b1, seq_len, h, hkv, bs, \
+                                       st + r, acc + (int64_t)r * DH)
+        if (n == 4) { if constexpr (RMAX >= 4) KVS_ROWS(4); }
+        else if (n == 3) { if constexpr (RMAX >= 3) KVS_ROWS(3); }
+        else if (n == 2) KVS_ROWS(2);
+        else KVS_ROWS(1);
+#undef KVS_ROWS
+    }
+}
+
+inline void store_bf16(uint16_t* dst, const float* src, float inv, int dh) {
+    for (int d = 0; d < dh; d += 16)
+        _mm256_storeu_si256((__m256i*)(dst + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_set1_ps(inv))));
+}
+
+bool supported(const QField& f, bool key, int bs) {
+    const MetaRef* ms[3] = {&f.scale, &f.zero, &f.expo};
+    if (f.code_kind == 1 || !f.scale.ptr) return false;  // 8-bit codes: int8, e4m3, e5m2 (not int4)
+    for (const MetaRef* m : ms) {
+        if (!m->ptr) continue;
+        if (m->gt < 1 || m->gd < 1 || m->kind < 0 || m->kind > 3) return false;
+        if (key && m->gt % SPAN) return false;       // keys: constant over each 16-token span
+        if (!key && m->gd % 16) return false;        // values: constant over 16-channel chunks
+    }
+    return bs % SPAN == 0;
+}
+
+struct Item {
+    int32_t seq, head;
+    int64_t b0, b1;
+    int64_t part;  // index into the saved states (-1: the sequence's only span, written directly)
+};
+
+template <int DH>
+int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_t* block_res, const uint16_t* q,
+           uint16_t* out, const int64_t* qrow, int64_t q_stride, int64_t out_stride, const int64_t* tables,
+           int64_t bt_stride, const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale) {
+    if (!supported(*kf, true, bs) || !supported(*vf, false, bs) || kf->code_kind != vf->code_kind || hq % hkv)
+        return 1;
+    if (kf->code_kind == 2 && (_mm_getcsr() & 0x40)) return 1;  // denormals read as zero: e4m3_top's trick fails
+    const int g = hq / hkv;
+    const ValueChunks vch = value_chunks(*vf, DH);
+    // Spans: enough items for both cores even at batch 1, but none shorter than 8 blocks.
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += (seq_lens[i] + bs - 1) / bs;
+    const int64_t target = std::max<int64_t>(8, (total * hkv + 8 * omp_get_max_threads() - 1) / (8 * omp_get_max_threads()));
+    std::vector<Item> items;
+    std::vector<int64_t> first_part(n + 1, 0);
+    int64_t parts = 0;
+    for (int i = 0; i < n; ++i) {
+        const int64_t nb = (seq_lens[i] + bs - 1) / bs;
+        const int64_t k = std::max<int64_t>(1, (nb + target - 1) / target);
+        first_part[i] = parts;
+        for (int h = 0; h < hkv; ++h)
+            for (int64_t j = 0; j < k; ++j)
+                items.push_back({i, h, nb * j / k, nb * (j + 1) / k, k > 1 ? parts + h * k + j : -1});
+        if (k > 1) parts += hkv * k;
+    }
+    first_part[n] = parts;
+    std::vector<SpanState> states((size_t)parts * g);
+    std::vector<float> accs((size_t)parts * g * DH);
+    #pragma omp parallel
+    {
+        std::vector<SpanState> st(g);
+        std::vector<float> acc((size_t)g * DH);
+        #pragma omp for schedule(dynamic, 1)
+        for (size_t w = 0; w < items.size(); ++w) {
+            const Item it = items[w];
+            const uint16_t* qs = q + qrow[it.seq] * q_stride + (int64_t)it.head * g * DH;
+            SpanState* sp = it.part < 0 ? st.data() : &states[(size_t)it.part * g];
+            float* ap = it.part < 0 ? acc.data() : &accs[(size_t)it.part * g * DH];
+            const int64_t* table = tables + it.seq * bt_stride;
+            switch (kf->code_kind) {
+#define KVS_KIND(CK) attend_rows<DH, CK>(g, *kf, *vf, vch, res, block_res, qs, scale, table, it.b0, it.b1, \
+                                         seq_lens[it.seq], it.head, hkv, bs, sp, ap)
+                case 0: KVS_KIND(0); break;
+                case 2: KVS_KIND(2); break;
+                default: KVS_KIND(3); break;
+#undef KVS_KIND
+            }
+            if (it.part >= 0) continue;
+            uint16_t* o = out + qrow[it.seq] * out_stride + (int64_t)it.head * g * DH;
+            for (int r = 0; r < g; ++r) store_bf16(o + (int64_t)r * DH, ap + (int64_t)r * DH, 1.f / sp[r].l, DH);
+        }
+        // Merge the spans of split sequences: rescale each to the common max and add.
+        #pragma omp for schedule(static)
+        for (int64_t w = 0; w < (int64_t)n * hkv; ++w) {
+            const int i = (int)(w / hkv), h = (int)(w % hkv);
+            const int64_t k = (first_part[i + 1] - first_part[i]) / hkv;
+            if (k == 0) continue;
+            const int64_t p0 = first_part[i] + h * k;
+            uint16_t* o = out + qrow[i] * out_stride + (int64_t)h * g * DH;
+            for (int r = 0; r < g; ++r) {
+                float mx = -INFINITY, l = 0.f;
+                for (int64_t j = 0; j < k; ++j) mx = std::max(mx, states[(size_t)(p0 + j) * g + r].m);
+                float* sum = acc.data();
+                memset(sum, 0, sizeof(float) * DH);
+                for (int64_t j = 0; j < k; ++j) {
+                    const SpanState& s = states[(size_t)(p0 + j) * g + r];
+                    if (s.l == 0.f) continue;  // an empty span (cannot happen: spans hold >= 1 block)
+                    const float f = expf(s.m - mx);
+                    l += s.l * f;
+                    const float* a = &accs[((size_t)(p0 + j) * g + r) * DH];
+                    for (int d = 0; d < DH; d += 16)
+                        _mm512_storeu_ps(sum + d, _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(f),
+                                                                  _mm512_loadu_ps(sum + d)));
+                }
+                store_bf16(o + (int64_t)r * DH, sum, 1.f / l, DH);
+            }
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+#endif
+
+// Decode attention for n sequences, one query token each (row qrow[i] of q / out, bf16), over a
+// quantized cache described by kf / vf (and its bf16 residual pool res / block_res, or nulls).
+// Returns 0 when done, 1 when this layout is not one the kernel reads (nothing written: the
+// caller stages instead), -1 when the build has no kernel (no AVX512-BF16).
+#define KVS_QDECODE(DH)                                                                                              \
+    extern "C" int decode_quantized_d##DH(const QField* kf, const QField* vf, const uint16_t* res,                  \
+                                          const int64_t* block_res, const uint16_t* q, uint16_t* out,               \
+                                          const int64_t* qrow, int64_t q_stride, int64_t out_stride,                \
+                                          const int64_t* tables, int64_t bt_stride, const int64_t* seq_lens, int n, \
+                                          int hq, int hkv, int bs, float scale) {                                   \
+        KVS_QDECODE_BODY(DH)                                                                                         \
+    }
+#ifdef KVS_HAVE_QDECODE
+#define KVS_QDECODE_BODY(DH) \
+    return decode<DH>(kf, vf, res, block_res, q, out, qrow, q_stride, out_stride, tables, bt_stride, seq_lens, n, hq, hkv, bs, scale);
+#else
+#define KVS_QDECODE_BODY(DH) return -1;
+#endif
+KVS_QDECODE(64)
+KVS_QDECODE(128)

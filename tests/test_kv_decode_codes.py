@@ -1,0 +1,201 @@
+"""Decode attention over a quantized cache's codes in place (csrc/decode_quantized.cpp).
+
+A decode-only step over an int8 or fp8 cache is not staged: the kernel folds the key scales into the
+query, the value scales into the probabilities, and reads the codes. Checked here: its output
+matches a float64 reference over the cache's values dequantized in float32 (the codes are exact
+there, so the tolerance is the bf16 output's rounding), across block sizes, head sizes, GQA
+ratios, open and evicted blocks, shared blocks and contexts long enough to be split over spans;
+int8, fp8 e4m3 and e5m2 codes; layouts it does not read (int4, key groups shorter than 16
+tokens, caches without a residual pool) are staged instead; and an engine with an int8 or fp8
+cache decodes through it end to end.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve.model.attention import torch_backend
+from kvserve.model.attention.base import build_attention_metadata
+from kvserve.model.attention.cpu_kernel import quantized_decode_kernel_for
+from kvserve.model.attention.torch_backend import TorchAttentionBackend
+
+from test_cpu_decode_kernel import _reference_float64, assert_same_greedy_up_to_near_ties
+from test_kv_staging import fill_history, make_cache
+
+codes_kernel = pytest.mark.skipif(
+    quantized_decode_kernel_for(64, torch.device("cpu")) is None,
+    reason="no AVX512-BF16 (or no compiler): quantized caches are staged or go through SDPA")
+
+
+def decode_step(variant, seq_lens, heads=9, kv_heads=3, head_dim=64, bs=16, residual_blocks=None, share=False,
+                seed=3):
+    """A cache holding seq_lens[i] - 1 tokens per sequence (plus, with `share`, the first
+    sequence's full blocks at the head of every table), and one decode token each. With
+    `residual_blocks`, sequences outside the step were written after these, so the pool evicted
+    (quantized as they stood) open blocks the step then re-opens."""
+    bystanders = [23, 45, 61, 77, 90, 13, 29, 50] if residual_blocks else []
+    need = sum(-(-n // bs) for n in seq_lens + bystanders) + 4
+    # Sealing at step end (the engine's setting): a block this step fills stays open until then.
+    cache = make_cache(variant, num_blocks=need, block_size=bs, kv_heads=kv_heads, head_dim=head_dim,
+                       num_residual_blocks=residual_blocks, seal_at_step_end=True)
+    start = [n - 1 for n in seq_lens]
+    written = fill_history(cache, 1, start + bystanders, seed=seed)
+    tables = written[:len(seq_lens)]
+    if share:  # prefix caching: later sequences' leading full blocks are the first one's
+        shared = tables[0][:start[0] // bs]
+        for t, n in zip(tables[1:], start[1:]):
+            k = min(len(shared), n // bs)
+            t[:k] = shared[:k]
+    used = {b for t in written for b in t}
+    free = [b for b in range(cache.num_blocks) if b not in used]
+    for t, n in zip(tables, seq_lens):
+        while len(t) < -(-n // bs):
+            t.append(free.pop())
+    meta = build_attention_metadata(start, [1] * len(seq_lens), tables, bs)
+    torch.manual_seed(seed + 1)
+    q = torch.randn(len(seq_lens), heads, head_dim).bfloat16()
+    k = (torch.randn(len(seq_lens), kv_heads, head_dim) * 2 + 1.5).bfloat16()
+    v = torch.randn(len(seq_lens), kv_heads, head_dim).bfloat16()
+    return cache, meta, q, k, v
+
+
+def float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim):
+    """float64 attention over the cache as dequantized in float32 (the codes' exact values; open
+    blocks from their bf16 residual rows), the step's own tokens as computed."""
+    class Float32View:  # what _reference_float64 reads: gather over every block
+        num_blocks, block_size = cache.num_blocks, cache.block_size
+
+        @staticmethod
+        def gather(layer, ids):
+            model_dtype, cache.dtype = cache.dtype, torch.float32  # _load_blocks dequantizes into it
+            try:
+                kk, vv = cache._load_blocks(layer, ids)
+            finally:
+                cache.dtype = model_dtype
+            entry = cache.block_res[layer, ids]
+            open_ = entry >= 0
+            kk[open_] = cache.res_kv[layer, entry[open_], 0].float()
+            vv[open_] = cache.res_kv[layer, entry[open_], 1].float()
+            return kk.flatten(0, 1), vv.flatten(0, 1)
+
+    return _reference_float64(Float32View, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
+
+
+@codes_kernel
+@pytest.mark.parametrize("variant,seq_lens,heads,kv_heads,head_dim,bs,residual_blocks,share", [
+    ("int8", [1, 15, 16, 17, 300, 40, 64, 33], 9, 3, 64, 16, None, False),
+    ("int8", [1, 15, 16, 17, 300, 40, 64, 33], 9, 3, 64, 16, 9, False),  # blocks evicted, re-opened
+    ("int8", [40, 100, 200, 31, 64], 12, 3, 64, 32, None, False),  # two spans per block, 4 rows
+    ("int8", [70, 2, 129, 33], 8, 1, 128, 16, None, False),  # 8 rows of 128 channels: 4 groups of 2
+    ("int8", [200, 180, 230, 190], 6, 6, 64, 16, None, True),  # no GQA; shared prefix blocks
+    ("int8", [3000], 9, 3, 64, 16, None, False),  # one long sequence: split over spans, merged
+    ("int8", [2500, 7, 1200], 4, 2, 128, 16, None, False),
+    ("fp8", [1, 15, 16, 17, 300, 40, 64, 33], 9, 3, 64, 16, 9, False),  # e4m3, per-head scales, key means
+    ("fp8 tensor", [200, 180, 230, 190], 6, 6, 64, 16, None, True),
+    ("fp8 uncentered", [2500, 7, 1200], 4, 2, 128, 16, None, False),
+    ("fp8_e5m2", [70, 2, 129, 33], 8, 1, 128, 32, None, False),
+])
+def test_decode_over_codes_matches_float64_over_the_dequantized_cache(
+        variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share):
+    cache, meta, q, k, v = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    got = backend.forward(1, q, k, v, cache, meta).double()
+    assert "codes" in meta.backend_state and "staged" not in meta.backend_state  # the codes kernel ran
+    if residual_blocks is not None:
+        assert cache.residual_evictions > 0
+    ref = float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim)
+    # The output is bf16: half an ulp is 2^-9 relative; |ref| stays below ~2 here.
+    err = (got - ref).abs()
+    assert float((err - ref.abs() * 2 ** -8).max()) <= 1e-4, float(err.max())
+
+    # The staged path on the same step reads every value rounded to bf16 first; it lands
+    # farther from the exact values than the codes path does.
+    cache2, meta2, q2, k2, v2 = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks,
+                                            share)
+    staged = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, decode_on_codes=False)
+    other = staged.forward(1, q2, k2, v2, cache2, meta2).double()
+    assert "staged" in meta2.backend_state
+    assert float(err.mean()) < float((other - ref).abs().mean())
+
+
+@codes_kernel
+@pytest.mark.parametrize("variant", ["int4", "int4 full-meta", "int8 g8"])
+def test_layouts_the_codes_kernel_does_not_read_are_staged(variant):
+    """int4 codes (two per byte), and int8 keys in groups of 8 tokens (a scale that changes
+    inside a 16-key span), are declined by the kernel; the step is then staged, correctly, and
+    the backend does not ask again for that cache."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    cache, meta, q, k, v = decode_step(variant, [5, 40, 77], heads, kv_heads, head_dim)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    got = backend.forward(1, q, k, v, cache, meta).double()
+    assert "staged" in meta.backend_state and backend._codes_unreadable is cache
+    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
+    torch.testing.assert_close(got, ref, atol=1.5e-2, rtol=0)
+
+
+@codes_kernel
+@pytest.mark.parametrize("variant", ["fp8 static", "int8 direct"])
+def test_caches_without_a_residual_pool_are_staged(variant):
+    """Static fp8 scales and per-token int keys quantize a decode's own token when it is written;
+    the staged path attends to it as computed (its overlay), and so do these steps."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    cache, meta, q, k, v = decode_step(variant, [5, 40, 77], heads, kv_heads, head_dim)
+    TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5).forward(1, q, k, v, cache, meta)
+    assert "staged" in meta.backend_state and "codes" not in meta.backend_state
+
+
+@codes_kernel
+def test_mixed_steps_and_sliding_windows_are_staged():
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    cache = make_cache("int8", num_blocks=30, seal_at_step_end=True)
+    tables = fill_history(cache, 1, [40, 0], seed=4)
+    tables[1] = [b for b in range(30) if b not in tables[0]][:2]
+    tables[0].append(next(b for b in range(30) if b not in tables[0] + tables[1]))
+    meta = build_attention_metadata([40, 0], [1, 20], tables, bs)  # a decode beside a prompt
+    q = torch.randn(21, heads, head_dim).bfloat16()
+    k, v = (torch.randn(21, kv_heads, head_dim).bfloat16() for _ in range(2))
+    TorchAttentionBackend(heads, kv_heads, head_dim, scale=0.125).forward(1, q, k, v, cache, meta)
+    assert "staged" in meta.backend_state and "codes" not in meta.backend_state
+    cache, meta, q, k, v = decode_step("int8", [5, 40])
+    TorchAttentionBackend(heads, kv_heads, head_dim, scale=0.125, sliding_window=16).forward(1, q, k, v, cache, meta)
+    assert "staged" in meta.backend_state and "codes" not in meta.backend_state
+
+
+@codes_kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_engine_with_a_quantized_cache_decodes_over_the_codes(kv_cache_dtype, monkeypatch):
+    """The embedded model, bf16, int8 / fp8 cache: decode steps take the codes kernel, prompts the
+    staged one, and greedy output equals the all-staged run's up to near-ties (the staged path
+    rounds every cached value to bf16 first, so the two part only where two logits are within
+    2 bf16 ulps)."""
+    from kvserve import LLM, SamplingParams
+
+    calls = {"codes": 0}
+    real = torch_backend.TorchAttentionBackend._decode_on_codes
+
+    def spy(self, *a):
+        ran = real(self, *a)
+        calls["codes"] += ran
+        return ran
+
+    monkeypatch.setattr(torch_backend.TorchAttentionBackend, "_decode_on_codes", spy)
+    llm = LLM(None, dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 2**20, kv_cache_dtype=kv_cache_dtype,
+              max_num_seqs=8)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (5, 40, 130, 17, 64, 9, 100, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    attn = llm.engine.runner.model.attn
+    runs = {}
+    for on in (True, False):
+        attn.decode_on_codes = on
+        calls["codes"] = 0
+        runs[on] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        layers = llm.engine.runner.model.config.num_hidden_layers
+        assert (calls["codes"] >= 10 * layers) if on else calls["codes"] == 0
+    # fp8: the staged copy rounds mean + scale * code to bf16, ~0.1 on SmolLM2's large key
+    # channels, so its logits move further (measured: 5 of 8 identical, parting where the top
+    # three are within 0.3 and the two choices 0.44 apart).
+    assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=3,
+                                       max_gap=0.25 if kv_cache_dtype == "int8" else 0.5)
