@@ -1,13 +1,13 @@
 """Decode attention over a quantized cache's codes in place (csrc/decode_quantized.cpp).
 
-A decode-only step over an int8 or fp8 cache is not staged: the kernel folds the key scales into the
+A decode-only step over an int8, int4 or fp8 cache is not staged: the kernel folds the key scales into the
 query, the value scales into the probabilities, and reads the codes. Checked here: its output
 matches a float64 reference over the cache's values dequantized in float32 (the codes are exact
 there, so the tolerance is the bf16 output's rounding), across block sizes, head sizes, GQA
 ratios, open and evicted blocks, shared blocks and contexts long enough to be split over spans;
-int8, fp8 e4m3 and e5m2 codes; layouts it does not read (int4, key groups shorter than 16
-tokens, caches without a residual pool) are staged instead; and an engine with an int8 or fp8
-cache decodes through it end to end.
+int8, int4, fp8 e4m3 and e5m2 codes; layouts it does not read (key groups shorter than 16
+tokens, caches without a residual pool) are staged instead; and an engine with an int8, fp8 or
+int4 cache decodes through it end to end.
 """
 from __future__ import annotations
 
@@ -96,6 +96,9 @@ def float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim):
     ("fp8 tensor", [200, 180, 230, 190], 6, 6, 64, 16, None, True),
     ("fp8 uncentered", [2500, 7, 1200], 4, 2, 128, 16, None, False),
     ("fp8_e5m2", [70, 2, 129, 33], 8, 1, 128, 32, None, False),
+    ("int4", [1, 15, 16, 17, 300, 40, 64, 33], 9, 3, 64, 16, 9, False),  # e4m3 metadata, exponents, symmetric values
+    ("int4", [2500, 7, 1200], 4, 2, 128, 16, None, False),
+    ("int4 full-meta", [200, 180, 230, 190], 6, 6, 64, 32, None, True),  # float16 metadata, groups of 32
 ])
 def test_decode_over_codes_matches_float64_over_the_dequantized_cache(
         variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share):
@@ -121,11 +124,11 @@ def test_decode_over_codes_matches_float64_over_the_dequantized_cache(
 
 
 @codes_kernel
-@pytest.mark.parametrize("variant", ["int4", "int4 full-meta", "int8 g8"])
+@pytest.mark.parametrize("variant", ["int8 g8", "int4 g8"])
 def test_layouts_the_codes_kernel_does_not_read_are_staged(variant):
-    """int4 codes (two per byte), and int8 keys in groups of 8 tokens (a scale that changes
-    inside a 16-key span), are declined by the kernel; the step is then staged, correctly, and
-    the backend does not ask again for that cache."""
+    """Keys in groups of 8 tokens (a scale that changes inside a 16-key span) are declined by
+    the kernel; the step is then staged, correctly, and the backend does not ask again for
+    that cache."""
     heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = decode_step(variant, [5, 40, 77], heads, kv_heads, head_dim)
     backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
@@ -164,7 +167,7 @@ def test_mixed_steps_and_sliding_windows_are_staged():
 
 
 @codes_kernel
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
 def test_engine_with_a_quantized_cache_decodes_over_the_codes(kv_cache_dtype, monkeypatch):
     """The embedded model, bf16, int8 / fp8 cache: decode steps take the codes kernel, prompts the
     staged one, and greedy output equals the all-staged run's up to near-ties (the staged path

@@ -10,7 +10,9 @@ AVX512-BF16 CPUs one varlen call covers every sequence of the step, decodes and 
 alike, over a cache in the "pairs" layout it asks for (`kv_cache_layout`); for float32 (and bf16
 elsewhere) a decode-only kernel covers the decodes over the "tokens" layout; quantized caches
 (fp8, int8, int4) under a bf16 model are dequantized block by block into a bf16 pairs scratch
-that the same varlen kernel reads (staging.py). SDPA is the fallback (no compiler, other devices
+that the same varlen kernel reads (staging.py), except decode-only steps over int8 / fp8 codes,
+which a kernel reads in place with the dequantization folded into its arithmetic
+(csrc/decode_quantized.cpp). SDPA is the fallback (no compiler, other devices
 or dtypes) and the reference.
 
 A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` only when
@@ -189,7 +191,7 @@ class TorchAttentionBackend(AttentionBackend):
                     plan.rows.data_ptr(), q.stride(0), out.stride(0), plan.block_tables.data_ptr(),
                     plan.block_tables.shape[1], plan.seq_lens.data_ptr(), meta.num_seqs, self.num_heads,
                     self.num_kv_heads, kv_cache.block_size, self.scale)
-        if rc != 0:  # a format it does not read (int4, fp8): this cache stages from now on
+        if rc != 0:  # a layout it does not read (int4, short key groups), or no build: stage from now on
             self._codes_unreadable = kv_cache
             return False
         return True

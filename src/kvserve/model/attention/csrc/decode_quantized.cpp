@@ -55,17 +55,21 @@ inline __m512 token_lanes(const MetaRef& m, int64_t b, int t0, int h, int64_t go
     const int64_t base = b * m.sb + (int64_t)h * m.sh + go;
     if (m.gt % SPAN == 0 || m.st == 0)  // one value for the 16 tokens
         return _mm512_set1_ps(meta_load<MK>(m.ptr, base + (int64_t)(t0 / m.gt) * m.st));
-    if (m.gt == 1 && MK <= 1) {  // per token (KIVI's values): one gather
+    if (m.gt == 1 && MK <= 2) {  // per token (KIVI's values): one gather
         const int64_t first = base + (int64_t)t0 * m.st;
         const __m512i lane = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                 _mm512_set1_epi32((int)m.st));
         if constexpr (MK == 0) return _mm512_i32gather_ps(lane, (const float*)m.ptr + first, 4);
-        // float16: 32-bit loads at each element, the last lane's one element lower (its high half),
-        // so that no load reaches past the element of lane 15, the last one read.
-        const __m512i at = _mm512_sub_epi32(lane, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1));
-        __m512i x = _mm512_i32gather_epi32(at, (const uint16_t*)m.ptr + first, 2);
-        x = _mm512_srlv_epi32(x, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16));
-        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+        // float16 / e4m3: 32-bit loads at each element (its bytes at the bottom), the last lane's
+        // moved down so that its element is the top of the word: no load reaches past the
+        // element of lane 15, the last one read.
+        constexpr int ES = MK == 1 ? 2 : 1;  // bytes per element
+        const __m512i last = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4 - ES);
+        const __m512i at = _mm512_sub_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(ES)), last);
+        __m512i x = _mm512_i32gather_epi32(at, (const uint8_t*)m.ptr + first * ES, 1);
+        x = _mm512_srlv_epi32(x, _mm512_slli_epi32(last, 3));
+        if constexpr (MK == 1) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+        else return e4m3x16(_mm512_cvtepi32_epi8(_mm512_and_si512(x, _mm512_set1_epi32(0xff))));
     }
     alignas(64) float lanes[SPAN];
     for (int i = 0; i < SPAN; ++i) lanes[i] = meta_load<MK>(m.ptr, base + (int64_t)((t0 + i) / m.gt) * m.st);
@@ -158,8 +162,9 @@ inline __m512i byte_picker(int c, int pos) {
 }
 
 // Where the byte goes in its lane, per code kind: uint8 low byte; e4m3 top byte (then shifted
-// into float32's exponent and mantissa); e5m2 second byte (float16's high byte).
-constexpr int code_byte_pos(int ck) { return ck == 0 ? 0 : ck == 2 ? 3 : 1; }
+// into float32's exponent and mantissa); e5m2 second byte (float16's high byte). int4 words are
+// not picked apart by bytes but by nibbles (lane_codes).
+constexpr int code_byte_pos(int ck) { return ck == 2 ? 3 : ck == 3 ? 1 : 0; }
 
 // e4m3 bits b at the top of a 32-bit lane -> the float32 with b's value times 2^-120: sign stays
 // at bit 31, exponent and mantissa shift into place (an arithmetic shift, the sign's copies
@@ -170,18 +175,29 @@ inline __m512 e4m3_top(__m512i x) {
     return _mm512_mul_ps(f, _mm512_set1_ps(0x1p120f));
 }
 
-// 16 codes from a lane picked by byte_picker(c, code_byte_pos(CK)), as float32.
+// Code i of every 32-bit word of w (16 keys), as float32: a byte picked to code_byte_pos(CK) for
+// the 8-bit kinds (i < 4), nibble i for int4 (i < 8, low nibble = lower channel).
 template <int CK>
-inline __m512 lane_codes(__m512i x) {
+inline __m512 lane_codes(__m512i w, const __m512i* pick, int i) {
+    if constexpr (CK == 1) return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(w, _mm_cvtsi32_si128(4 * i)),
+                                                                       _mm512_set1_epi32(15)));
+    const __m512i x = _mm512_shuffle_epi8(w, pick[i]);
     if constexpr (CK == 0) return _mm512_cvtepi32_ps(x);
     else if constexpr (CK == 2) return e4m3_top(x);
     else return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
 }
 
-// 16 consecutive codes of a row, as float32.
+// Codes of channels d0 .. d0 + 15 of a token row, as float32.
 template <int CK>
-inline __m512 row_codes(const uint8_t* p) {
-    const __m128i b = _mm_loadu_si128((const __m128i*)p);
+inline __m512 row_codes(const uint8_t* row, int d0) {
+    if constexpr (CK == 1) {  // two per byte, low nibble first
+        const __m128i bytes = _mm_loadl_epi64((const __m128i*)(row + d0 / 2));
+        const __m128i dup = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+        const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(dup), shift),
+                                                   _mm512_set1_epi32(15)));
+    }
+    const __m128i b = _mm_loadu_si128((const __m128i*)(row + d0));
     if constexpr (CK == 0) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
     else if constexpr (CK == 2) return e4m3_top(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 24));
     else return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
@@ -191,20 +207,26 @@ inline __m512 row_codes(const uint8_t* p) {
 // codes: the span's first token row of head h; row: bytes between token rows.
 template <int DH, int R, int CK>
 inline void span_scores(const uint8_t* codes, int64_t row, const float* qk, __m512* sc) {
+    constexpr int PER_WORD = CK == 1 ? 8 : 4;                  // codes per 32-bit word
+    constexpr int WORDS = std::min(16, DH / PER_WORD);          // words per token row and pass
+    constexpr int PASS = WORDS * PER_WORD;                      // channels per pass
     constexpr int pos = code_byte_pos(CK);
     const __m512i pick[4] = {byte_picker(0, pos), byte_picker(1, pos), byte_picker(2, pos), byte_picker(3, pos)};
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int j0 = 0; j0 < DH; j0 += 64) {  // 64 channels = 16 words of 4 per token row
+    for (int j0 = 0; j0 < DH; j0 += PASS) {
+        const uint8_t* src = codes + j0 * 4 / PER_WORD;
         __m512i w[16];
-        for (int t = 0; t < 16; ++t) w[t] = _mm512_loadu_si512(codes + t * row + j0);
-        transpose16_regs(w);  // w[j]: channels j0 + 4j .. +3 of the 16 keys
-        for (int j = 0; j < 16; ++j)
-            for (int c = 0; c < 4; ++c) {
-                const __m512 x = lane_codes<CK>(_mm512_shuffle_epi8(w[j], pick[c]));
-                const int d = j0 + 4 * j + c;
+        for (int t = 0; t < 16; ++t)
+            w[t] = WORDS == 16 ? _mm512_loadu_si512(src + t * row)
+                               : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(src + t * row)));
+        transpose16_regs(w);  // w[j]: channels j0 + PER_WORD * j .. of the 16 keys
+        for (int j = 0; j < WORDS; ++j)
+            for (int i = 0; i < PER_WORD; ++i) {
+                const __m512 x = lane_codes<CK>(w[j], pick, i);
+                const int d = j0 + PER_WORD * j + i;
                 for (int r = 0; r < R; ++r)
-                    acc[r][c & 1] = _mm512_fmadd_ps(x, _mm512_set1_ps(qk[r * DH + d]), acc[r][c & 1]);
+                    acc[r][i & 1] = _mm512_fmadd_ps(x, _mm512_set1_ps(qk[r * DH + d]), acc[r][i & 1]);
             }
     }
     for (int r = 0; r < R; ++r) sc[r] = _mm512_add_ps(acc[r][0], acc[r][1]);
@@ -249,19 +271,21 @@ void attend_span(const QField& kf, const QField& vf, const ValueChunks& vch, con
         l[r] = 0.f;
         for (int c = 0; c < NC; ++c) acc[r][c] = zacc[r][c] = _mm512_setzero_ps();
     }
-    const int64_t row = (int64_t)hkv * DH;  // codes (bytes) or residual elements between token rows
+    const int64_t row = (int64_t)hkv * DH;  // residual elements between token rows
+    constexpr int P = CK == 1 ? DH / 2 : DH;  // code bytes per head and token
+    const int64_t crow = (int64_t)hkv * P;     // code bytes between token rows
     const int kgt = std::min({kf.scale.gt, kf.zero.ptr ? kf.zero.gt : bs, kf.expo.ptr ? kf.expo.gt : bs});
     for (int64_t b = b0; b < b1; ++b) {
         const int64_t blk = table[b];
         const int64_t e = block_res ? block_res[blk] : -1;
-        const uint8_t* kc = kf.codes + blk * kf.code_block + (int64_t)h * DH;
-        const uint8_t* vc = vf.codes + blk * vf.code_block + (int64_t)h * DH;
+        const uint8_t* kc = kf.codes + blk * kf.code_block + (int64_t)h * P;
+        const uint8_t* vc = vf.codes + blk * vf.code_block + (int64_t)h * P;
         const uint8_t* kn = nullptr;  // the block two ahead: blocks sit anywhere in the pool
         const uint8_t* vn = nullptr;
         if (b + 2 < b1) {
             const int64_t nb = table[b + 2];
-            kn = kf.codes + nb * kf.code_block + (int64_t)h * DH;
-            vn = vf.codes + nb * vf.code_block + (int64_t)h * DH;
+            kn = kf.codes + nb * kf.code_block + (int64_t)h * P;
+            vn = vf.codes + nb * vf.code_block + (int64_t)h * P;
             prefetch_metas(kf, nb);  // every head's: the block's few lines for all of them
             prefetch_metas(vf, nb);
         }
@@ -290,7 +314,7 @@ void attend_span(const QField& kf, const QField& vf, const ValueChunks& vch, con
                         zt[r] = _mm512_reduce_add_ps(a);
                     }
                 }
-                span_scores<DH, R, CK>(kc + t0 * row, row, qk, sc);
+                span_scores<DH, R, CK>(kc + t0 * crow, crow, qk, sc);
                 for (int r = 0; r < R; ++r) sc[r] = _mm512_add_ps(sc[r], _mm512_set1_ps(zt[r]));
             }
             const __mmask16 valid = (__mmask16)((1u << n) - 1);
@@ -326,14 +350,14 @@ void attend_span(const QField& kf, const QField& vf, const ValueChunks& vch, con
                     _mm512_store_ps(w[r][c], _mm512_mul_ps(p[r], vs[c]));
                     zacc[r][c] = _mm512_fmadd_ps(p[r], vz[c], zacc[r][c]);
                 }
-            const uint8_t* v0 = vc + t0 * row;
+            const uint8_t* v0 = vc + t0 * crow;
             for (int t = 0; t < n; ++t) {
                 if (kn) {
-                    __builtin_prefetch(kn + (t0 + t) * row);
-                    __builtin_prefetch(vn + (t0 + t) * row);
+                    __builtin_prefetch(kn + (t0 + t) * crow);
+                    __builtin_prefetch(vn + (t0 + t) * crow);
                 }
                 for (int c = 0; c < NC; ++c) {
-                    const __m512 x = row_codes<CK>(v0 + t * row + 16 * c);
+                    const __m512 x = row_codes<CK>(v0 + t * crow, 16 * c);
                     for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(x, _mm512_set1_ps(w[r][c][t]), acc[r][c]);
                 }
             }
@@ -375,7 +399,7 @@ inline void store_bf16(uint16_t* dst, const float* src, float inv, int dh) {
 
 bool supported(const QField& f, bool key, int bs) {
     const MetaRef* ms[3] = {&f.scale, &f.zero, &f.expo};
-    if (f.code_kind == 1 || !f.scale.ptr) return false;  // 8-bit codes: int8, e4m3, e5m2 (not int4)
+    if (f.code_kind < 0 || f.code_kind > 3 || !f.scale.ptr) return false;
     for (const MetaRef* m : ms) {
         if (!m->ptr) continue;
         if (m->gt < 1 || m->gd < 1 || m->kind < 0 || m->kind > 3) return false;
@@ -434,6 +458,7 @@ int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_
 #define KVS_KIND(CK) attend_rows<DH, CK>(g, *kf, *vf, vch, res, block_res, qs, scale, table, it.b0, it.b1, \
                                          seq_lens[it.seq], it.head, hkv, bs, sp, ap)
                 case 0: KVS_KIND(0); break;
+                case 1: KVS_KIND(1); break;
                 case 2: KVS_KIND(2); break;
                 default: KVS_KIND(3); break;
 #undef KVS_KIND
