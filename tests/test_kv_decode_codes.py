@@ -4,7 +4,8 @@ A decode-only step over an int8, int4 or fp8 cache is not staged: the kernel fol
 query, the value scales into the probabilities, and reads the codes. Checked here: its output
 matches a float64 reference over the cache's values dequantized in float32 (the codes are exact
 there, so the tolerance is the bf16 output's rounding), across block sizes, head sizes, GQA
-ratios, open and evicted blocks, shared blocks and contexts long enough to be split over spans;
+ratios, open and evicted blocks, shared blocks and contexts long enough to be split over spans,
+and the decodes of mixed steps (whose prompt chunks alone are staged);
 int8, int4, fp8 e4m3 and e5m2 codes; layouts it does not read (key groups shorter than 16
 tokens, caches without a residual pool) are staged instead; and an engine with an int8, fp8 or
 int4 cache decodes through it end to end.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,18 +151,54 @@ def test_caches_without_a_residual_pool_are_staged(variant):
     assert "staged" in meta.backend_state and "codes" not in meta.backend_state
 
 
-@codes_kernel
-def test_mixed_steps_and_sliding_windows_are_staged():
+def mixed_step(variant, seed=2):
+    """Decodes and prompt chunks interleaved in one step (as the scheduler mixes running decodes,
+    resumed chunks and new prompts), over a cache that seals at step end."""
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
-    cache = make_cache("int8", num_blocks=30, seal_at_step_end=True)
-    tables = fill_history(cache, 1, [40, 0], seed=4)
-    tables[1] = [b for b in range(30) if b not in tables[0]][:2]
-    tables[0].append(next(b for b in range(30) if b not in tables[0] + tables[1]))
-    meta = build_attention_metadata([40, 0], [1, 20], tables, bs)  # a decode beside a prompt
-    q = torch.randn(21, heads, head_dim).bfloat16()
-    k, v = (torch.randn(21, kv_heads, head_dim).bfloat16() for _ in range(2))
-    TorchAttentionBackend(heads, kv_heads, head_dim, scale=0.125).forward(1, q, k, v, cache, meta)
-    assert "staged" in meta.backend_state and "codes" not in meta.backend_state
+    seq_lens = [1, 17, 300, 40, 64, 200, 33, 90]
+    query_lens = [1, 17, 1, 16, 1, 100, 6, 1]
+    start = [n - q for n, q in zip(seq_lens, query_lens)]
+    cache = make_cache(variant, num_blocks=70, seal_at_step_end=True)
+    tables = fill_history(cache, 1, start, seed=seed)
+    for t, n in zip(tables, seq_lens):
+        used = {b for tt in tables for b in tt}
+        t += [b for b in range(cache.num_blocks) if b not in used][:-(-n // bs) - len(t)]
+    meta = build_attention_metadata(start, query_lens, tables, bs)
+    torch.manual_seed(seed + 3)
+    q = torch.randn(meta.num_tokens, heads, head_dim).bfloat16()
+    k = (torch.randn(meta.num_tokens, kv_heads, head_dim) * 2 + 1.5).bfloat16()
+    v = torch.randn(meta.num_tokens, kv_heads, head_dim).bfloat16()
+    return cache, meta, q, k, v
+
+
+@codes_kernel
+@pytest.mark.parametrize("variant", ["int8", "fp8", "int4"])
+def test_mixed_steps_attend_decodes_over_codes_and_stage_only_the_prompts(variant):
+    """The decodes of a mixed step go through the codes kernel; only the prompt chunks'
+    sequences are staged (their rows are not contiguous here), and each part matches its
+    reference: the decodes the float32-dequantized cache within the bf16 output's rounding, the
+    prompts the bf16-dequantized cache within the varlen kernel's tolerance."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    cache, meta, q, k, v = mixed_step(variant)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    got = backend.forward(1, q, k, v, cache, meta).double()
+    assert "codes" in meta.backend_state and "staged_prefills" in meta.backend_state
+    assert "staged" not in meta.backend_state
+    staged_seqs = sorted(int(i) for plan in meta.backend_state["staged_prefills"]
+                         for i in np.asarray(meta.prefill_seq_ids)[plan.part.seqs])
+    assert staged_seqs == meta.prefill_seq_ids == [1, 3, 5, 6]
+    dec = meta.decode_token_ids
+    exact = float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim)
+    err = (got[dec] - exact[dec]).abs()
+    assert float((err - exact[dec].abs() * 2 ** -8).max()) <= 1e-4, float(err.max())
+    pre = torch.tensor([r for i in meta.prefill_seq_ids for r in range(meta.query_start_loc[i], meta.query_start_loc[i + 1])])
+    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
+    torch.testing.assert_close(got[pre], ref[pre], atol=1.5e-2, rtol=0)
+
+
+@codes_kernel
+def test_sliding_windows_are_staged():
+    heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = decode_step("int8", [5, 40])
     TorchAttentionBackend(heads, kv_heads, head_dim, scale=0.125, sliding_window=16).forward(1, q, k, v, cache, meta)
     assert "staged" in meta.backend_state and "codes" not in meta.backend_state
@@ -169,7 +207,7 @@ def test_mixed_steps_and_sliding_windows_are_staged():
 @codes_kernel
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
 def test_engine_with_a_quantized_cache_decodes_over_the_codes(kv_cache_dtype, monkeypatch):
-    """The embedded model, bf16, int8 / fp8 cache: decode steps take the codes kernel, prompts the
+    """The embedded model, bf16, int8 / fp8 / int4 cache: decode steps take the codes kernel, prompts the
     staged one, and greedy output equals the all-staged run's up to near-ties (the staged path
     rounds every cached value to bf16 first, so the two part only where two logits are within
     2 bf16 ulps)."""

@@ -8,7 +8,7 @@ Two kernels read every sequence's K/V straight out of its blocks:
   - csrc/paged_attention_bf16.cpp: decodes *and* prefill chunks of every sequence in one call
     (varlen), bf16 through AVX512-BF16 dot products; built where the CPU has them. It reads the
     KV cache's "pairs" layout (kv_cache.py), whose writes `store_kv_pairs` does.
-  - csrc/decode_quantized.cpp: decodes over a quantized (int8, fp8) cache's codes in place, the
+  - csrc/decode_quantized.cpp: decodes over a quantized (int8, int4, fp8) cache's codes in place, the
     dequantization folded into the query and the probabilities.
 
 The sources are compiled with `g++ -O3 -march=native -fopenmp` into one library in a cache

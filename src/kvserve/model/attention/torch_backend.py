@@ -10,7 +10,7 @@ AVX512-BF16 CPUs one varlen call covers every sequence of the step, decodes and 
 alike, over a cache in the "pairs" layout it asks for (`kv_cache_layout`); for float32 (and bf16
 elsewhere) a decode-only kernel covers the decodes over the "tokens" layout; quantized caches
 (fp8, int8, int4) under a bf16 model are dequantized block by block into a bf16 pairs scratch
-that the same varlen kernel reads (staging.py), except decode-only steps over int8 / fp8 codes,
+that the same varlen kernel reads (staging.py), except decode-only steps over int8 / int4 / fp8 codes,
 which a kernel reads in place with the dequantization folded into its arithmetic
 (csrc/decode_quantized.cpp). SDPA is the fallback (no compiler, other devices
 or dtypes) and the reference.
@@ -67,15 +67,15 @@ class _VarlenPlan:  # every sequence of the step, as the varlen kernel takes the
 class _StagedPlan:  # one part of a step over a quantized cache (staging.py)
     part: StagePart
     varlen: _VarlenPlan  # over the part's renumbered tables
-    rows: slice  # the part's token rows in q / k / v
+    rows: slice | torch.Tensor  # the part's token rows in q / k / v (a tensor when not contiguous)
     slots: torch.Tensor  # [rows] int64: their slots in the scratch
 
 
 @dataclass
-class _CodesDecodePlan:  # a decode-only step over a quantized cache, read in place (decode_quantized.cpp)
-    rows: torch.Tensor  # [S] int64: each sequence's token row
-    block_tables: torch.Tensor  # [S, max_blocks] int64, contiguous
-    seq_lens: torch.Tensor  # [S] int64
+class _CodesDecodePlan:  # a step's decodes over a quantized cache, read in place (decode_quantized.cpp)
+    rows: torch.Tensor  # [Nd] int64: each decode's token row
+    block_tables: torch.Tensor  # [Nd, max_blocks] int64, contiguous
+    seq_lens: torch.Tensor  # [Nd] int64
 
 
 @dataclass
@@ -147,9 +147,10 @@ class TorchAttentionBackend(AttentionBackend):
             return out
         staged = self._kernel("staged", q, kv_cache)
         if staged is not None:
-            if self._decode_on_codes(layer, q, out, kv_cache, meta):
+            on_codes = self._decode_on_codes(layer, q, out, kv_cache, meta)
+            if on_codes and not meta.prefill_seq_ids:
                 return out
-            for plan in self._staged_plans(meta, kv_cache):
+            for plan in self._staged_plans(meta, kv_cache, prefills_only=on_codes):
                 k_cache, v_cache = self._scratch.fill(kv_cache, layer, plan.part.block_ids)
                 self._scratch.overlay(k[plan.rows], v[plan.rows], plan.slots, kv_cache.block_size)
                 self._varlen(staged, plan.varlen, q, out, k_cache, v_cache, kv_cache.block_size)
@@ -166,12 +167,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode_on_codes(self, layer: int, q: torch.Tensor, out: torch.Tensor, kv_cache: KVCache,
                          meta: AttentionMetadata) -> bool:
-        """A decode-only step over a quantized cache, attended over the codes in place
+        """The step's decodes over a quantized cache, attended over the codes in place
         (csrc/decode_quantized.cpp) instead of staged; False when that does not apply."""
         # The step's own tokens must still be at full precision in the residual pool when the
         # kernel runs, as the staged path's overlay has them: so only caches with a residual pool
         # (not static fp8 scales, not per-token int keys) that seal at step end.
-        if (not self.decode_on_codes or self.sliding_window is not None or meta.num_decodes != meta.num_seqs
+        if (not self.decode_on_codes or self.sliding_window is not None or meta.num_decodes == 0
                 or kv_cache is self._codes_unreadable or not getattr(kv_cache, "staged", False)
                 or not getattr(kv_cache, "seal_at_step_end", False)):
             return False
@@ -182,16 +183,17 @@ class TorchAttentionBackend(AttentionBackend):
         if kernel is None:
             return False
         if "codes" not in meta.backend_state:
+            seqs = meta.decode_seq_ids
             meta.backend_state["codes"] = _CodesDecodePlan(
-                torch.tensor(meta.query_start_loc[:-1], dtype=torch.int64), meta.block_tables.contiguous(),
-                torch.tensor(meta.seq_lens, dtype=torch.int64))
+                meta.decode_token_ids.to(torch.int64).contiguous(), meta.block_tables[seqs].contiguous(),
+                meta.seq_lens_tensor[seqs].to(torch.int64).contiguous())
         plan = meta.backend_state["codes"]
         kf, vf, res, block_res = self._described.layer(kv_cache, layer)
         rc = kernel(ctypes.byref(kf), ctypes.byref(vf), res, block_res, q.data_ptr(), out.data_ptr(),
                     plan.rows.data_ptr(), q.stride(0), out.stride(0), plan.block_tables.data_ptr(),
-                    plan.block_tables.shape[1], plan.seq_lens.data_ptr(), meta.num_seqs, self.num_heads,
+                    plan.block_tables.shape[1], plan.seq_lens.data_ptr(), plan.rows.numel(), self.num_heads,
                     self.num_kv_heads, kv_cache.block_size, self.scale)
-        if rc != 0:  # a layout it does not read (int4, short key groups), or no build: stage from now on
+        if rc != 0:  # a layout it does not read (short key groups), or no build: stage from now on
             self._codes_unreadable = kv_cache
             return False
         return True
@@ -221,38 +223,48 @@ class TorchAttentionBackend(AttentionBackend):
                 meta, slice(0, meta.num_seqs), meta.block_tables.contiguous())
         return meta.backend_state["varlen"]
 
-    def _make_varlen_plan(self, meta: AttentionMetadata, seqs: slice, tables: torch.Tensor) -> _VarlenPlan:
-        """The kernel's arguments for sequences `seqs` of the step, reading `tables`."""
-        query_lens, seq_lens = meta.query_lens[seqs], meta.seq_lens[seqs]
+    def _make_varlen_plan(self, meta: AttentionMetadata, seqs: slice | np.ndarray,
+                          tables: torch.Tensor) -> _VarlenPlan:
+        """The kernel's arguments for sequences `seqs` of the step (a slice or indices), reading
+        `tables`."""
+        query_lens = np.asarray(meta.query_lens, dtype=np.int64)[seqs]
+        seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)[seqs]
         groups = NO_GROUPS
         if self.cascade and self.sliding_window is None and 1 in query_lens:
-            groups = shared_prefix_groups(tables.numpy(), np.asarray(seq_lens), np.asarray(query_lens),
-                                          meta.block_size)
-        return _VarlenPlan(torch.tensor(meta.query_start_loc[seqs], dtype=torch.int64),
-                           torch.tensor(query_lens, dtype=torch.int64), tables,
-                           torch.tensor(seq_lens, dtype=torch.int64), groups)
+            groups = shared_prefix_groups(tables.numpy(), seq_lens, query_lens, meta.block_size)
+        return _VarlenPlan(torch.from_numpy(np.asarray(meta.query_start_loc, dtype=np.int64)[:-1][seqs]),
+                           torch.from_numpy(query_lens), tables, torch.from_numpy(seq_lens), groups)
 
-    def _staged_plans(self, meta: AttentionMetadata, kv_cache: KVCache) -> list[_StagedPlan]:
-        """Parts of the step whose blocks fit the scratch, each with its kernel arguments over
-        the scratch (the blocks left of a sliding window are neither staged nor read)."""
-        if "staged" not in meta.backend_state:
+    def _staged_plans(self, meta: AttentionMetadata, kv_cache: KVCache,
+                      prefills_only: bool = False) -> list[_StagedPlan]:
+        """Parts of the step (or of its prefill chunks only, when the decodes were attended over
+        the codes) whose blocks fit the scratch, each with its kernel arguments over the scratch
+        (the blocks left of a sliding window are neither staged nor read)."""
+        key = "staged_prefills" if prefills_only else "staged"
+        if key not in meta.backend_state:
             bs = meta.block_size
-            seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
+            ids = np.asarray(meta.prefill_seq_ids if prefills_only else range(meta.num_seqs), dtype=np.int64)
+            seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)[ids]
+            start = np.asarray(meta.start_pos, dtype=np.int64)[ids]
             first = np.zeros_like(seq_lens)
             if self.sliding_window is not None:
-                first = np.maximum(np.asarray(meta.start_pos) - self.sliding_window + 1, 0) // bs
+                first = np.maximum(start - self.sliding_window + 1, 0) // bs
             block_bytes = 2 * kv_cache.num_kv_heads * self.head_dim * bs * 2  # bf16 K + V
-            parts = plan_stage_parts(meta.block_tables.numpy(), first, -(-seq_lens // bs),
+            parts = plan_stage_parts(meta.block_tables.numpy()[ids], first, -(-seq_lens // bs),
                                      max(1, STAGE_BYTES // block_bytes))
+            qsl = np.asarray(meta.query_start_loc, dtype=np.int64)
             plans = []
             for p in parts:
-                rows = slice(meta.query_start_loc[p.seqs.start], meta.query_start_loc[p.seqs.stop])
-                slots = step_token_slots(p.tables, np.asarray(meta.start_pos[p.seqs], dtype=np.int64),
-                                         np.asarray(meta.query_lens[p.seqs], dtype=np.int64), bs)
-                plans.append(_StagedPlan(p, self._make_varlen_plan(meta, p.seqs, torch.from_numpy(p.tables)),
+                seqs = ids[p.seqs]
+                if seqs[-1] - seqs[0] + 1 == len(seqs):  # consecutive sequences: consecutive rows
+                    rows = slice(int(qsl[seqs[0]]), int(qsl[seqs[-1] + 1]))
+                else:
+                    rows = torch.from_numpy(np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in seqs]))
+                slots = step_token_slots(p.tables, start[p.seqs], np.asarray(meta.query_lens, dtype=np.int64)[seqs], bs)
+                plans.append(_StagedPlan(p, self._make_varlen_plan(meta, seqs, torch.from_numpy(p.tables)),
                                          rows, torch.from_numpy(slots)))
-            meta.backend_state["staged"] = plans
-        return meta.backend_state["staged"]
+            meta.backend_state[key] = plans
+        return meta.backend_state[key]
 
     def _first_visible_block(self, first_query_pos: int, block_size: int) -> int:
         if self.sliding_window is None:
