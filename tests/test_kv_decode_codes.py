@@ -4,7 +4,8 @@ A decode-only step over an int8, int4 or fp8 cache is not staged: the kernel fol
 query, the value scales into the probabilities, and reads the codes. Checked here: its output
 matches a float64 reference over the cache's values dequantized in float32 (the codes are exact
 there, so the tolerance is the bf16 output's rounding), across block sizes, head sizes, GQA
-ratios, open and evicted blocks, shared blocks and contexts long enough to be split over spans,
+ratios, open blocks and evicted ones the step's write re-opens, shared blocks, contexts long
+enough to be split over spans,
 and the decodes of mixed steps (whose prompt chunks alone are staged);
 int8, int4, fp8 e4m3 and e5m2 codes; layouts it does not read (key groups shorter than 16
 tokens, caches without a residual pool) are staged instead; and an engine with an int8, fp8 or
@@ -101,6 +102,9 @@ def float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim):
     ("int4", [1, 15, 16, 17, 300, 40, 64, 33], 9, 3, 64, 16, 9, False),  # e4m3 metadata, exponents, symmetric values
     ("int4", [2500, 7, 1200], 4, 2, 128, 16, None, False),
     ("int4 full-meta", [200, 180, 230, 190], 6, 6, 64, 32, None, True),  # float16 metadata, groups of 32
+    ("int4", [40, 77, 5], 4, 2, 64, 16, None, False),  # e4m3 scales 2 bytes apart: looked up one by one
+    ("int4", [70, 2, 129], 3, 1, 128, 16, None, False),  # 3 rows of 128 channels: groups of 2 and 1
+    ("int8", [70, 2, 129], 3, 1, 128, 16, None, False),
 ])
 def test_decode_over_codes_matches_float64_over_the_dequantized_cache(
         variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share):
@@ -172,17 +176,21 @@ def mixed_step(variant, seed=2):
 
 
 @codes_kernel
-@pytest.mark.parametrize("variant", ["int8", "fp8", "int4"])
-def test_mixed_steps_attend_decodes_over_codes_and_stage_only_the_prompts(variant):
+@pytest.mark.parametrize("variant,stage_bytes", [("int8", None), ("fp8", None), ("int4", None),
+                                                 ("int8", 2 * 2 * 3 * 64 * 16 * 2 * 3)])  # parts of <= 3 blocks
+def test_mixed_steps_attend_decodes_over_codes_and_stage_only_the_prompts(variant, stage_bytes, monkeypatch):
     """The decodes of a mixed step go through the codes kernel; only the prompt chunks'
     sequences are staged (their rows are not contiguous here), and each part matches its
     reference: the decodes the float32-dequantized cache within the bf16 output's rounding, the
     prompts the bf16-dequantized cache within the varlen kernel's tolerance."""
+    if stage_bytes is not None:
+        monkeypatch.setattr(torch_backend, "STAGE_BYTES", stage_bytes)
     heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = mixed_step(variant)
     backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
     got = backend.forward(1, q, k, v, cache, meta).double()
     assert "codes" in meta.backend_state and "staged_prefills" in meta.backend_state
+    assert len(meta.backend_state["staged_prefills"]) >= (3 if stage_bytes else 1)
     assert "staged" not in meta.backend_state
     staged_seqs = sorted(int(i) for plan in meta.backend_state["staged_prefills"]
                          for i in np.asarray(meta.prefill_seq_ids)[plan.part.seqs])
@@ -194,6 +202,26 @@ def test_mixed_steps_attend_decodes_over_codes_and_stage_only_the_prompts(varian
     pre = torch.tensor([r for i in meta.prefill_seq_ids for r in range(meta.query_start_loc[i], meta.query_start_loc[i + 1])])
     ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
     torch.testing.assert_close(got[pre], ref[pre], atol=1.5e-2, rtol=0)
+
+
+@codes_kernel
+def test_fp8_codes_are_staged_while_denormals_are_flushed():
+    """The e4m3 codes reach float32 through denormals; with flush-to-zero on (MXCSR.DAZ) the step
+    is staged instead, and the next step without it goes over the codes again."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    assert torch.set_flush_denormal(True)
+    try:
+        cache, meta, q, k, v = decode_step("fp8", [5, 40, 77])
+        got = backend.forward(1, q, k, v, cache, meta).double()
+    finally:
+        torch.set_flush_denormal(False)
+    assert "staged" in meta.backend_state and backend._codes_unreadable is None
+    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
+    torch.testing.assert_close(got, ref, atol=1.5e-2, rtol=0)
+    cache, meta, q, k, v = decode_step("fp8", [5, 40, 77])
+    backend.forward(1, q, k, v, cache, meta)
+    assert "codes" in meta.backend_state and "staged" not in meta.backend_state
 
 
 @codes_kernel

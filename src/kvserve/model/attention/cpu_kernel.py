@@ -223,8 +223,9 @@ def quantize_int8_kernel():
 
 def quantized_decode_kernel_for(head_dim: int, device: torch.device):
     """`decode_quantized_d{head_dim}` (decode attention over a quantized cache's codes, csrc/
-    decode_quantized.cpp) where this CPU has AVX512-BF16 and the head size has an instance, else
-    None. It returns 1 for a cache layout it does not read (then stage instead)."""
+    decode_quantized.cpp) where this CPU has AVX512-BF16 (the staging pass's requirement too) and
+    the head size has an instance, else None. It returns 0 when done, else writes nothing (1: a
+    layout it does not read, 2: not now, -1: not built) and the caller stages."""
     if device.type != "cpu" or head_dim not in _HEAD_DIMS:
         return None
     lib = load_library()

@@ -10,9 +10,9 @@ AVX512-BF16 CPUs one varlen call covers every sequence of the step, decodes and 
 alike, over a cache in the "pairs" layout it asks for (`kv_cache_layout`); for float32 (and bf16
 elsewhere) a decode-only kernel covers the decodes over the "tokens" layout; quantized caches
 (fp8, int8, int4) under a bf16 model are dequantized block by block into a bf16 pairs scratch
-that the same varlen kernel reads (staging.py), except decode-only steps over int8 / int4 / fp8 codes,
-which a kernel reads in place with the dequantization folded into its arithmetic
-(csrc/decode_quantized.cpp). SDPA is the fallback (no compiler, other devices
+that the same varlen kernel reads (staging.py), except the decodes of a step over int8 / int4 / fp8
+codes, which a kernel reads in place with the dequantization folded into its arithmetic
+(csrc/decode_quantized.cpp); only the prompt chunks of such a step are staged. SDPA is the fallback (no compiler, other devices
 or dtypes) and the reference.
 
 A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` only when
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.cascade import NO_GROUPS, PrefixGroups, shared_prefix_groups
 from kvserve.model.attention.cpu_kernel import decode_kernel_for, quantized_decode_kernel_for, varlen_kernel_for
-from kvserve.model.attention.staging import (STAGE_BYTES, CacheDescription, StagePart, StageScratch,
-                                              plan_stage_parts, step_token_slots)
+from kvserve.model.attention.staging import (STAGE_BYTES, StagePart, StageScratch, plan_stage_parts,
+                                              step_token_slots)
 from kvserve.model.kv_cache import KVCache, PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -72,13 +72,6 @@ class _StagedPlan:  # one part of a step over a quantized cache (staging.py)
 
 
 @dataclass
-class _CodesDecodePlan:  # a step's decodes over a quantized cache, read in place (decode_quantized.cpp)
-    rows: torch.Tensor  # [Nd] int64: each decode's token row
-    block_tables: torch.Tensor  # [Nd, max_blocks] int64, contiguous
-    seq_lens: torch.Tensor  # [Nd] int64
-
-
-@dataclass
 class _KernelDecodePlan:
     token_ids: torch.Tensor  # [Nd] long, contiguous: token rows of the decodes
     block_tables: torch.Tensor  # [Nd, max_blocks] long, contiguous
@@ -91,14 +84,13 @@ class TorchAttentionBackend(AttentionBackend):
                  decode_on_codes: bool = True, **kwargs) -> None:
         """`use_cpu_kernel=False` keeps every decode on the SDPA path (reference for tests);
         `cascade=False` has the varlen kernel read shared prefixes once per sequence;
-        `decode_on_codes=False` stages decode-only steps over a quantized cache too."""
+        `decode_on_codes=False` stages the decodes over a quantized cache too."""
         super().__init__(*args, **kwargs)
         self.use_cpu_kernel = use_cpu_kernel
         self.cascade = cascade
         self.decode_on_codes = decode_on_codes
         self._kernels: dict[tuple[str, torch.dtype, torch.device], object] = {}
         self._scratch: StageScratch | None = None
-        self._described = CacheDescription()
         self._codes_unreadable: object | None = None  # the cache whose layout the codes kernel declined
 
     def kv_cache_layout(self, kv_cache_dtype: str, dtype: torch.dtype, block_size: int,
@@ -183,16 +175,15 @@ class TorchAttentionBackend(AttentionBackend):
         if kernel is None:
             return False
         if "codes" not in meta.backend_state:
-            seqs = meta.decode_seq_ids
-            meta.backend_state["codes"] = _CodesDecodePlan(
-                meta.decode_token_ids.to(torch.int64).contiguous(), meta.block_tables[seqs].contiguous(),
-                meta.seq_lens_tensor[seqs].to(torch.int64).contiguous())
+            meta.backend_state["codes"] = self._kernel_decode_plan(meta)
         plan = meta.backend_state["codes"]
-        kf, vf, res, block_res = self._described.layer(kv_cache, layer)
+        kf, vf, res, block_res = self._scratch.described.layer(kv_cache, layer)
         rc = kernel(ctypes.byref(kf), ctypes.byref(vf), res, block_res, q.data_ptr(), out.data_ptr(),
-                    plan.rows.data_ptr(), q.stride(0), out.stride(0), plan.block_tables.data_ptr(),
-                    plan.block_tables.shape[1], plan.seq_lens.data_ptr(), plan.rows.numel(), self.num_heads,
+                    plan.token_ids.data_ptr(), q.stride(0), out.stride(0), plan.block_tables.data_ptr(),
+                    plan.block_tables.shape[1], plan.seq_lens.data_ptr(), plan.token_ids.numel(), self.num_heads,
                     self.num_kv_heads, kv_cache.block_size, self.scale)
+        if rc == 2:  # not now (e4m3 codes while a thread flushes denormals): stage this step
+            return False
         if rc != 0:  # a layout it does not read (short key groups), or no build: stage from now on
             self._codes_unreadable = kv_cache
             return False
@@ -208,14 +199,16 @@ class TorchAttentionBackend(AttentionBackend):
             if not meta.num_decodes:
                 decode = None
             elif use_kernel:
-                decode = _KernelDecodePlan(
-                    meta.decode_token_ids.contiguous(),
-                    meta.block_tables[meta.decode_seq_ids].contiguous(),
-                    meta.seq_lens_tensor[meta.decode_seq_ids].contiguous())
+                decode = self._kernel_decode_plan(meta)
             else:
                 decode = self._plan_decode(meta)
             meta.backend_state[key] = (prefills, decode)
         return meta.backend_state[key]
+
+    @staticmethod
+    def _kernel_decode_plan(meta: AttentionMetadata) -> _KernelDecodePlan:
+        return _KernelDecodePlan(meta.decode_token_ids.contiguous(), meta.block_tables[meta.decode_seq_ids].contiguous(),
+                                 meta.seq_lens_tensor[meta.decode_seq_ids].contiguous())
 
     def _varlen_plan(self, meta: AttentionMetadata) -> _VarlenPlan:
         if "varlen" not in meta.backend_state:

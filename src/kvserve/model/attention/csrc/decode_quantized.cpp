@@ -1,5 +1,5 @@
-// Decode attention straight over a quantized KV cache's codes (attention/quantized_decode.py):
-// no dequantized copy of the blocks is made.
+// Decode attention straight over a quantized KV cache's codes (called from torch_backend.py,
+// `_decode_on_codes`, for the decodes of any step): no dequantized copy of the blocks is made.
 //
 // The staging pass (stage_quantized.cpp) turns every block a step reads into bf16 before the
 // varlen kernel reads it: ~0.5 ns of per-element work on 2 cores, ~25-30 ms of a batch-64 int8
@@ -21,7 +21,7 @@
 // Blocks still open in the residual pool are read from their bf16 rows.
 //
 // Keys are stored token-major ([bs][hkv][dh] bytes per block): each 16-token span of a head is
-// transposed in registers (16x16 of 32-bit words, i.e. 4 channels per word) so that a register
+// transposed in registers (16x16 of 32-bit words: 4 channels per word, 8 for int4) so that a register
 // holds one channel's code for 16 keys and the scores need no horizontal sums.
 //
 // Work item = (sequence, K/V head, span of blocks); a long context is split into several spans
@@ -55,15 +55,16 @@ inline __m512 token_lanes(const MetaRef& m, int64_t b, int t0, int h, int64_t go
     const int64_t base = b * m.sb + (int64_t)h * m.sh + go;
     if (m.gt % SPAN == 0 || m.st == 0)  // one value for the 16 tokens
         return _mm512_set1_ps(meta_load<MK>(m.ptr, base + (int64_t)(t0 / m.gt) * m.st));
-    if (m.gt == 1 && MK <= 2) {  // per token (KIVI's values): one gather
+    constexpr int ES = MK == 0 ? 4 : MK == 1 ? 2 : 1;  // bytes per element
+    if (m.gt == 1 && MK <= 2 && m.st * ES + ES >= 4) {  // per token (KIVI's values): one gather
         const int64_t first = base + (int64_t)t0 * m.st;
         const __m512i lane = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                 _mm512_set1_epi32((int)m.st));
         if constexpr (MK == 0) return _mm512_i32gather_ps(lane, (const float*)m.ptr + first, 4);
         // float16 / e4m3: 32-bit loads at each element (its bytes at the bottom), the last lane's
-        // moved down so that its element is the top of the word: no load reaches past the
-        // element of lane 15, the last one read.
-        constexpr int ES = MK == 1 ? 2 : 1;  // bytes per element
+        // moved down so that its element is the top of the word: with elements at least
+        // 4 - ES bytes apart beyond the first (the condition above), no load reaches past the
+        // element of lane 15, the last one read. Closer ones (1-2 KV heads of e4m3 scales) loop.
         const __m512i last = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4 - ES);
         const __m512i at = _mm512_sub_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(ES)), last);
         __m512i x = _mm512_i32gather_epi32(at, (const uint8_t*)m.ptr + first * ES, 1);
@@ -421,7 +422,12 @@ int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_
            int64_t bt_stride, const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale) {
     if (!supported(*kf, true, bs) || !supported(*vf, false, bs) || kf->code_kind != vf->code_kind || hq % hkv)
         return 1;
-    if (kf->code_kind == 2 && (_mm_getcsr() & 0x40)) return 1;  // denormals read as zero: e4m3_top's trick fails
+    if (kf->code_kind == 2) {  // e4m3_top needs denormals read as they are, in every thread (MXCSR is per thread)
+        int daz = 0;
+        #pragma omp parallel reduction(| : daz)
+        daz |= (_mm_getcsr() & 0x40) != 0;
+        if (daz) return 2;
+    }
     const int g = hq / hkv;
     const ValueChunks vch = value_chunks(*vf, DH);
     // Spans: enough items for both cores even at batch 1, but none shorter than 8 blocks.
@@ -502,8 +508,9 @@ int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_
 
 // Decode attention for n sequences, one query token each (row qrow[i] of q / out, bf16), over a
 // quantized cache described by kf / vf (and its bf16 residual pool res / block_res, or nulls).
-// Returns 0 when done, 1 when this layout is not one the kernel reads (nothing written: the
-// caller stages instead), -1 when the build has no kernel (no AVX512-BF16).
+// Returns 0 when done, 1 when this layout is not one the kernel reads, 2 when it cannot run now
+// (e4m3 codes while a thread flushes denormals), -1 when the build has no kernel (no AVX512-BF16);
+// nothing is written unless it returns 0, so the caller stages instead.
 #define KVS_QDECODE(DH)                                                                                              \
     extern "C" int decode_quantized_d##DH(const QField* kf, const QField* vf, const uint16_t* res,                  \
                                           const int64_t* block_res, const uint16_t* q, uint16_t* out,               \
