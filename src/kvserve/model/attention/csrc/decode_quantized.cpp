@@ -86,8 +86,18 @@ inline __m512 token_lanes(const MetaRef& m, int64_t b, int t0, int h, int64_t go
     }
 }
 
-// Per-channel effective scale and zero of a key span: x = code * s + z, with s = scale * 2^e and
-// z = (zero - offset * scale) * 2^e.
+// ((code - offset) * scale + zero) * 2^e as code * s + z: s = scale * 2^e, z = (zero - offset *
+// scale) * 2^e (e: null when the format has no exponent).
+inline void effective(__m512 scale, __m512 zero, __m512 offset, const __m512* e, __m512& s, __m512& z) {
+    s = scale;
+    z = _mm512_fnmadd_ps(offset, scale, zero);
+    if (e) {
+        s = _mm512_mul_ps(s, *e);
+        z = _mm512_mul_ps(z, *e);
+    }
+}
+
+// The effective scale and zero of a key span, per channel.
 template <int DH>
 void key_fold(const QField& f, int64_t b, int t0, int h, float* s, float* z, float* tmp) {
     expand_group(f.scale, b, t0 / f.scale.gt, h, DH, s);
@@ -96,14 +106,9 @@ void key_fold(const QField& f, int64_t b, int t0, int h, float* s, float* z, flo
     const __m512 off = _mm512_set1_ps(f.code_offset);
     if (f.expo.ptr) expand_group(f.expo, b, t0 / f.expo.gt, h, DH, tmp);
     for (int d = 0; d < DH; d += 16) {
-        const __m512 sc = _mm512_load_ps(s + d);
-        __m512 zr = _mm512_fnmadd_ps(off, sc, _mm512_load_ps(z + d));
-        __m512 sr = sc;
-        if (f.expo.ptr) {
-            const __m512 e = _mm512_load_ps(tmp + d);
-            sr = _mm512_mul_ps(sr, e);
-            zr = _mm512_mul_ps(zr, e);
-        }
+        const __m512 e = f.expo.ptr ? _mm512_load_ps(tmp + d) : _mm512_setzero_ps();
+        __m512 sr, zr;
+        effective(_mm512_load_ps(s + d), _mm512_load_ps(z + d), off, f.expo.ptr ? &e : nullptr, sr, zr);
         _mm512_store_ps(s + d, sr);
         _mm512_store_ps(z + d, zr);
     }
@@ -129,7 +134,7 @@ ValueChunks value_chunks(const QField& f, int dh) {
     return vc;
 }
 
-// The same for a value span, as token lanes per 16-channel chunk: s[c], z[c].
+// The effective scale and zero of a value span, as token lanes per 16-channel chunk: s[c], z[c].
 template <int DH>
 void value_fold(const QField& f, const ValueChunks& vc, int64_t b, int t0, int h, __m512* s, __m512* z) {
     const __m512 off = _mm512_set1_ps(f.code_offset);
@@ -139,17 +144,9 @@ void value_fold(const QField& f, const ValueChunks& vc, int64_t b, int t0, int h
             z[c] = z[c - 1];
             continue;
         }
-        const __m512 sc = token_lanes(f.scale, b, t0, h, vc.go[0][c]);
-        __m512 zr = f.zero.ptr ? token_lanes(f.zero, b, t0, h, vc.go[1][c]) : _mm512_setzero_ps();
-        zr = _mm512_fnmadd_ps(off, sc, zr);
-        __m512 sr = sc;
-        if (f.expo.ptr) {
-            const __m512 e = token_lanes(f.expo, b, t0, h, vc.go[2][c]);
-            sr = _mm512_mul_ps(sr, e);
-            zr = _mm512_mul_ps(zr, e);
-        }
-        s[c] = sr;
-        z[c] = zr;
+        const __m512 zero = f.zero.ptr ? token_lanes(f.zero, b, t0, h, vc.go[1][c]) : _mm512_setzero_ps();
+        const __m512 e = f.expo.ptr ? token_lanes(f.expo, b, t0, h, vc.go[2][c]) : _mm512_setzero_ps();
+        effective(token_lanes(f.scale, b, t0, h, vc.go[0][c]), zero, off, f.expo.ptr ? &e : nullptr, s[c], z[c]);
     }
 }
 
@@ -487,8 +484,7 @@ int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_
                 float* sum = acc.data();
                 memset(sum, 0, sizeof(float) * DH);
                 for (int64_t j = 0; j < k; ++j) {
-                    const SpanState& s = states[(size_t)(p0 + j) * g + r];
-                    if (s.l == 0.f) continue;  // an empty span (cannot happen: spans hold >= 1 block)
+                    const SpanState& s = states[(size_t)(p0 + j) * g + r];  // spans hold >= 1 block: l > 0
                     const float f = expf(s.m - mx);
                     l += s.l * f;
                     const float* a = &accs[((size_t)(p0 + j) * g + r) * DH];
