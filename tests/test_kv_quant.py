@@ -450,22 +450,29 @@ def test_a_write_plan_is_reused_across_layers_but_not_after_an_in_place_edit():
         assert torch.equal(c.gather(layer, torch.arange(6))[0], ref.gather(layer, torch.arange(6))[0])
 
 
-@pytest.mark.parametrize("dt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dt", ["int8", "fp8_e4m3", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("seal_at_step_end", [False, True])
 def test_compiled_residual_write_leaves_the_cache_as_the_torch_ops_do(dt, dtype, seal_at_step_end):
-    """The compiled decode-time residual write must leave every tensor of the cache (codes,
-    metadata, residual rows, masks, entries, LRU clocks) exactly as the torch path does, through
-    prefill chunks, decodes filling and starting blocks, K/V given as strided views, a pool too
-    small for the open blocks (evictions, re-opened blocks) and sealing."""
+    """The compiled decode-time residual write and block quantizers (whole prompt blocks, seals
+    read in the residual pool) must leave every tensor of the cache (codes, metadata, residual
+    rows, masks, entries, LRU clocks) exactly as the torch path does, through prefill chunks,
+    decodes filling and starting blocks, K/V given as strided views, a pool too small for the
+    open blocks (evictions, re-opened blocks) and sealing."""
     from kvserve.model.attention.cpu_kernel import residual_write_kernel
     if residual_write_kernel() is None:
         pytest.skip("no C++ compiler: the torch path is the only one")
     bs, g = 8, torch.Generator().manual_seed(7)
     caches = [create_kv_cache(TINY, num_blocks=24, block_size=bs, kv_cache_dtype=dt, dtype=dtype,
                               num_residual_blocks=4, seal_at_step_end=seal_at_step_end) for _ in range(2)]
-    caches[1]._row_write = False  # the torch ops
+    caches[1]._row_write = caches[1]._block_quantizers = False  # the torch ops
     kernel, ran = residual_write_kernel(), []
+    quantize, quantized = caches[0]._quantize_compiled, []
+
+    def logged(dst, source):
+        quantized.append(source.src is not None)  # True: a seal read in the residual pool
+        return quantize(dst, source)
+    caches[0]._quantize_compiled = logged
 
     def counted(*args):  # the compiled calls that did write (returned 0)
         rc = kernel(*args)
@@ -507,6 +514,7 @@ def test_compiled_residual_write_leaves_the_cache_as_the_torch_ops_do(dt, dtype,
         for name, t in a.fields.items():
             assert torch.equal(t.view(torch.uint8), b.fields[name].view(torch.uint8)), (step, name)
     assert fresh_fast > 0 and sum(ran) > 20 and not all(ran)  # both paths taken
+    assert any(quantized) and not all(quantized)  # seals and whole prompt blocks
     # A block sealed while partly written (as an eviction leaves it) re-opens from its codes.
     k, v = torch.randn(1, 2, 16, generator=g).to(dtype), torch.randn(1, 2, 16, generator=g).to(dtype)
     for c in caches:
@@ -531,49 +539,106 @@ def test_a_slot_out_of_range_is_an_index_error_not_a_stray_write():
     assert all(torch.equal(a, b) for a, b in zip(before, (c.res_kv, c.res_mask, c.block_res)))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_int8_block_quantizer_stores_what_quantize_groups_does(dtype):
-    """The compiled int8 quantizer (whole blocks, prefill and sealing) must store the torch
-    path's codes, scales and zero points bit for bit: tiers and swap carry them between engines.
-    Values span tiny to large magnitudes, constant groups and exact float16 boundaries; a
-    non-finite or out-of-range value still gets the torch path's error."""
-    from kvserve.model.attention.cpu_kernel import quantize_int8_kernel
-    if quantize_int8_kernel() is None:
+def _compiled_vs_torch(kind: str, dtype: torch.dtype, heads: int = 2, head_dim: int = 64,
+                       **kw) -> tuple[list[QuantizedKVCache], list[bool]]:
+    """Two caches alike but for the block quantizer: [0] compiled (its calls' results logged), [1] torch."""
+    from kvserve.model.attention.cpu_kernel import block_quantizers
+    if block_quantizers() is None:
         pytest.skip("no C++ compiler: the torch path is the only one")
-    cfg = ModelConfig("llama", 100, 64, 128, 2, 4, 2, 64, 1024)
-    caches = [create_kv_cache(cfg, num_blocks=40, block_size=16, kv_cache_dtype="int8", dtype=dtype)
+    cfg = ModelConfig("llama", 100, heads * head_dim, 128, 2, heads, heads, head_dim, 1024)
+    caches = [create_kv_cache(cfg, num_blocks=40, block_size=16, kv_cache_dtype=kind, dtype=dtype, **kw)
               for _ in range(2)]
-    caches[1]._quantize_int8 = False  # the torch ops
-    kernel, ran = quantize_int8_kernel(), []
+    caches[1]._block_quantizers = False  # the torch ops
+    compiled, ran = caches[0]._quantize_compiled, []
 
-    def counted(*args):
-        rc = kernel(*args)
-        ran.append(rc)
-        return rc
-    caches[0]._quantize_int8 = counted
+    def logged(dst, source):
+        ok = compiled(dst, source)
+        ran.append(ok)
+        return ok
+    caches[0]._quantize_compiled = logged
+    return caches, ran
+
+
+def _assert_same_fields(a: QuantizedKVCache, b: QuantizedKVCache) -> None:
+    for name, t in a.fields.items():
+        assert torch.equal(t.view(torch.uint8), b.fields[name].view(torch.uint8)), name
+
+
+BLOCK_FORMATS = [("int8", {}), ("int4", {}), ("int4", {"compact": False}), ("int8", {"compact": True}),
+                 ("fp8", {}), ("fp8", {"scale_granularity": "tensor"}), ("fp8", {"center_keys": False})]
+
+
+@pytest.mark.parametrize("kind,kw", BLOCK_FORMATS, ids=[f"{k}-{'-'.join(map(str, kw.values())) or 'default'}"
+                                                         for k, kw in BLOCK_FORMATS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,head_dim", [(2, 64), (3, 8)], ids=["vector", "scalar"])
+def test_compiled_block_quantizer_stores_what_the_torch_path_does(kind, kw, dtype, heads, head_dim):
+    """The compiled quantizers (whole blocks: prefill and sealing) must store the torch path's
+    codes and metadata bit for bit: tiers and swap carry them between engines. Values span tiny to
+    huge magnitudes (beyond float16 only where the metadata is exponent-shifted or fp8), constant
+    and all-zero blocks and groups, and exact float16 boundaries; per-entry layers as a seal gives
+    them. A non-finite value goes to the torch path, which raises (int) or stores it (fp8). Heads of
+    8 channels (rows of 24) take the scalar loops, which CPUs without AVX-512 run."""
+    caches, ran = _compiled_vs_torch(kind, dtype, heads, head_dim, **kw)
+    wide = kind == "fp8" or caches[0].compact
     g = torch.Generator().manual_seed(3)
-    for trial, scale in enumerate((1e-4, 0.3, 1.0, 40.0, 8e3)):
-        k = (torch.randn(6, 16, 2, 64, generator=g) * scale).to(dtype)
-        v = (torch.randn(6, 16, 2, 64, generator=g) * scale).to(dtype)
+    scales = (1e-4, 0.3, 1.0, 40.0, 8e3, 1e-30) + ((3e5, 1e30) if wide else ())
+    shape, D = (6, 16, heads, head_dim), head_dim
+    for trial, scale in enumerate(scales):
+        k = (torch.randn(shape, generator=g) * scale).to(dtype)
+        v = (torch.randn(shape, generator=g) * scale).to(dtype)
         k[0, :, 0, :5] = 0.5  # constant groups (scale 0)
-        v[1, 3, 1, :32] = -2.0
+        v[1, 3, 1, :D // 2] = -2.0
         k[2, :, 1, 7] = torch.tensor(65504.0 / 3).to(dtype)  # near a float16 step
-        k[3, :, 0, 10] = torch.linspace(-1e-9, 1e-9, 16).to(dtype)  # zero point and scale below float16's
-        v[2, 5, 0, :32] = torch.linspace(0, 2e-9, 32).to(dtype)   # smallest step: stepped off 0
+        k[3, :, 0, D - 1] = torch.linspace(-1e-9, 1e-9, 16).to(dtype)  # zero point and scale below float16's
+        v[2, 5, 0, :D // 2] = torch.linspace(0, 2e-9, D // 2).to(dtype)   # smallest step: stepped off 0
+        k[4], v[5] = 0.0, 0.0  # all-zero blocks (exponent 0, scale 1)
+        if wide:  # a block maximum of exactly 448 * 2^e: the compact exponent's edge
+            k[1, 0, 0, 0] = v[1, 0, 0, 0] = -448.0 * 2.0 ** (round(math.log2(scale)) + 3)
         ids = torch.randperm(40, generator=g)[:6]
         for c in caches:
             c._store_blocks(trial % 2, ids, k, v)
     per_entry = torch.tensor([0, 1, 1]), torch.tensor([5, 6, 7])  # a seal's per-entry layers
-    k, v = torch.randn(3, 16, 2, 64, generator=g).to(dtype), torch.randn(3, 16, 2, 64, generator=g).to(dtype)
+    k, v = torch.randn(3, *shape[1:], generator=g).to(dtype), torch.randn(3, *shape[1:], generator=g).to(dtype)
     for c in caches:
         c._store_blocks(per_entry[0], per_entry[1], k, v)
-    assert ran == [0] * 6
-    for name, t in caches[0].fields.items():
-        assert torch.equal(t.view(torch.uint8), caches[1].fields[name].view(torch.uint8)), name
+    assert ran == [True] * (len(scales) + 1)
+    _assert_same_fields(*caches)
     k[0, 0, 0, 0] = float("nan")
-    with pytest.raises(quant.QuantError, match="non-finite"):
-        caches[0]._store_blocks(0, torch.tensor([1, 2, 3]), k, v)
-    k[0, 0, 0, 0] = 7e4
-    with pytest.raises(quant.QuantError, match="float16 range"):
-        caches[0]._store_blocks(0, torch.tensor([1, 2, 3]), k, v)
-    assert ran[-2:] == [1, 1]
+    if kind == "fp8":  # quantize_fp8 has no check: NaN is stored as e4m3's NaN, as before
+        for c in caches:
+            c._store_blocks(0, torch.tensor([1, 2, 3]), k, v)
+        _assert_same_fields(*caches)
+    else:
+        with pytest.raises(quant.QuantError, match="non-finite"):
+            caches[0]._store_blocks(0, torch.tensor([1, 2, 3]), k, v)
+        if not wide:
+            k[0, 0, 0, 0] = 7e4
+            with pytest.raises(quant.QuantError, match="float16 range"):
+                caches[0]._store_blocks(0, torch.tensor([1, 2, 3]), k, v)
+    assert not any(ran[len(scales) + 1:])
+
+
+@pytest.mark.parametrize("heads,head_dim", [(2, 64), (3, 8)], ids=["vector", "scalar"])
+def test_compiled_fp8_cast_rounds_every_e4m3_midpoint_as_torch_does(heads, head_dim):
+    """The compiled float32 -> e4m3 cast against torch's at every code's neighbourhood: the code
+    itself, the midpoints to its neighbours (ties to even) and one float32 ulp either side of
+    them, subnormals included. One value of 448 per head makes its scale exactly 1, so each value
+    reaches the cast unchanged (uncentered V; float32 in)."""
+    caches, ran = _compiled_vs_torch("fp8", torch.float32, heads, head_dim, center_keys=False)
+    codes = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # +0 .. 448
+    mids = (codes[:-1] + codes[1:]) / 2
+    vals = torch.cat([codes, mids, torch.nextafter(mids, torch.zeros_like(mids)),
+                      torch.nextafter(mids, torch.full_like(mids, 1e9))])
+    vals = torch.cat([vals, -vals])
+    per_block = 16 * heads * head_dim
+    n = -(-vals.numel() // (per_block - heads))
+    x = torch.zeros(n, per_block)
+    x.view(-1)[:vals.numel()] = vals  # then the 448s, one per head
+    x = x.view(n, 16, heads, head_dim)
+    x[:, 15, :, head_dim - 1] = 448.0
+    for c in caches:
+        c._store_blocks(0, torch.arange(n), x, x)
+    assert ran == [True]
+    assert bool((caches[0].fields["v_scale"][0, :n] == 1.0).all())
+    _assert_same_fields(*caches)

@@ -107,7 +107,9 @@ def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | 
     if center_dims is not None:
         mean_max = float(torch.finfo(FP8_MEAN_DTYPE).max)
         # Clamped: e4m3fn has no infinity. A clamped mean still centers, only less.
-        mean = xf.mean(dim=center_dims, keepdim=True).clamp(-mean_max, mean_max)
+        # float64: a sum of 16-odd float32 values is then exact or nearly, so its result does not
+        # depend on summation order (the compiled quantizer's is sequential, torch's vectorised).
+        mean = xf.double().mean(dim=center_dims, keepdim=True).float().clamp(-mean_max, mean_max)
         mean = mean.to(FP8_MEAN_DTYPE)
         xf = xf - mean.float()
     if scale is None:
@@ -185,6 +187,12 @@ def _outward_meta(mn: torch.Tensor, mx: torch.Tensor, qmax: int,
     return scale, zero
 
 
+def _ceil_log2(t: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(t)) for t > 0, exactly: a float log2 can land on the wrong side of a power of two."""
+    mantissa, e = torch.frexp(t)  # t = mantissa * 2^e, mantissa in [0.5, 1)
+    return torch.where(mantissa == 0.5, e - 1, e)
+
+
 def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int, compact: bool = False,
                     symmetric: bool = False, exponent_dims: tuple[int, ...] | None = None) -> GroupQuantized:
     """Asymmetric min/max quantization of groups of `group_size` consecutive elements along
@@ -215,7 +223,10 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int, comp
     if compact:
         dims = tuple(range(x.dim())) if exponent_dims is None else exponent_dims
         row_max = xf.abs().amax(dim=dims, keepdim=True)
-        e = torch.ceil(torch.log2(row_max / COMPACT_META_MAX)).clamp(-100, 100)
+        # Up to 120 for the largest float32, so the scaled block always fits e4m3's 448 (a top
+        # clamp of 100 made blocks beyond 448 * 2^100 store NaN metadata); below -100 the block
+        # is so small that coarser steps lose nothing the model can see.
+        e = _ceil_log2(row_max / COMPACT_META_MAX).clamp(-100, 126)
         exponent = torch.where(row_max > 0, e, torch.zeros_like(e)).to(torch.int8)
         # Powers of two: exact in float32, so the scaled group keeps its exact min/max.
         factor = torch.exp2(-exponent.float())

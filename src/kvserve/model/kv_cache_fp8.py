@@ -70,7 +70,21 @@ class Fp8PagedKVCache(QuantizedKVCache):
         # [nb, n_scales] -> broadcast over [nb, bs, H, D]
         return s[:, None, :, None]
 
+    def _quantize_compiled(self, dst, source):
+        q = self._quantizers()
+        if not q or not self.staged or self.kind != "fp8_e4m3":  # e5m2: the torch path
+            return False
+        f = self.fields
+        rc = q.fp8_blocks(source.k, source.v, source.is_bf16, source.n, source.src_ptr, source.stride,
+                          dst.data_ptr(), self.block_size, self.num_kv_heads, self.head_dim,
+                          int(self.scale_granularity == "head"), int(self.center_keys), f["k"].data_ptr(),
+                          f["k_scale"].data_ptr(), f["k_mean"].data_ptr() if self.center_keys else None,
+                          f["v"].data_ptr(), f["v_scale"].data_ptr())
+        return rc == 0
+
     def _store_blocks(self, layer, block_ids, k, v):
+        if self._store_blocks_compiled(layer, block_ids, k, v):
+            return
         dims = (1, 3) if self.scale_granularity == "head" else (1, 2, 3)
         for name, x in (("k", k), ("v", v)):
             center = (1,) if name == "k" and self.center_keys else None  # over the block's tokens

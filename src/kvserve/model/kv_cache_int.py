@@ -44,7 +44,6 @@ class IntPagedKVCache(QuantizedKVCache):
         self.bits = quant.INT_BITS[self.kind]
         group_size, self.compact = _int_defaults(self.kind, group_size, compact)
         self.staged = residual
-        self._quantize_int8 = None  # the compiled block quantizer (CPU), looked up on first use
         self._init_common(model_config, num_blocks, block_size, dtype, device, num_residual_blocks,
                           seal_at_step_end)
         H, D = self.num_kv_heads, self.head_dim
@@ -101,26 +100,19 @@ class IntPagedKVCache(QuantizedKVCache):
         self._put(layer, "k", block_ids, self._quantize("k", k, self.groups.key_tokens, axis=1))
         self._put(layer, "v", block_ids, self._quantize("v", v, self.groups.value_channels, axis=3))
 
-    def _store_blocks_compiled(self, layer, block_ids, k, v) -> bool:
-        """int8 with float16 metadata on CPU: one compiled pass (a 2,048-token prefill step spent
-        ~50 ms in the ~25 torch ops of quantize_groups per layer). False when it does not apply,
-        or a value must be refused, which the torch path then does with its error."""
-        if self._quantize_int8 is None:
-            from kvserve.model.attention.cpu_kernel import quantize_int8_kernel
-            self._quantize_int8 = (quantize_int8_kernel() if self.device.type == "cpu" else None) or False
-        shape = (block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim)
-        if (not self._quantize_int8 or self.bits != 8 or self.compact or not self.staged
-                or any(self.symmetric.values()) or k.dtype not in (torch.float32, torch.bfloat16)
-                or v.dtype != k.dtype or k.shape != shape or v.shape != shape):
+    def _quantize_compiled(self, dst, source):
+        q = self._quantizers()
+        if not q or not self.staged:
             return False
-        k, v = k.contiguous(), v.contiguous()
-        dst = (torch.as_tensor(layer, dtype=torch.long) * self.num_blocks + block_ids).contiguous()
         f = self.fields
-        rc = self._quantize_int8(k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16), block_ids.numel(),
-                                 dst.data_ptr(), self.block_size, self.num_kv_heads, self.head_dim,
-                                 self.groups.key_tokens, self.groups.value_channels,
-                                 f["k"].data_ptr(), f["k_scale"].data_ptr(), f["k_zero"].data_ptr(),
-                                 f["v"].data_ptr(), f["v_scale"].data_ptr(), f["v_zero"].data_ptr())
+
+        def ptr(name: str) -> int | None:
+            return f[name].data_ptr() if name in f else None
+        rc = q.int_blocks(source.k, source.v, source.is_bf16, source.n, source.src_ptr, source.stride,
+                          dst.data_ptr(), self.block_size, self.num_kv_heads, self.head_dim,
+                          self.groups.key_tokens, self.groups.value_channels, self.bits, int(self.compact),
+                          int(self.symmetric["v"]), ptr("k"), ptr("k_scale"), ptr("k_zero"), ptr("k_exp"),
+                          ptr("v"), ptr("v_scale"), ptr("v_zero"), ptr("v_exp"))
         return rc == 0
 
     def _store_tokens(self, layer, slots, k, v):

@@ -96,6 +96,22 @@ class _Placement(NamedTuple):  # one write's tokens into whole blocks, or into p
     source_rows: torch.Tensor | None = None
 
 
+class BlockSource(NamedTuple):
+    """Whole blocks for the compiled quantizers (attention/csrc/quantize_blocks.cpp): block i's K is
+    the `[block_size, H, D]` elements at address k + (src[i] if src is given, else i) * stride
+    elements, its V the same from v; float32 or bf16."""
+    k: int
+    v: int
+    is_bf16: int
+    n: int
+    src: torch.Tensor | None  # int64, contiguous
+    stride: int
+
+    @property
+    def src_ptr(self) -> int | None:
+        return None if self.src is None else self.src.data_ptr()
+
+
 class _WritePlan(NamedTuple):
     blocks: torch.Tensor  # every block the write touches
     whole: _Placement | None
@@ -121,6 +137,7 @@ class QuantizedKVCache(KVCache):
         self.seal_at_step_end = seal_at_step_end
         self._last_plan: tuple | None = None  # (slots, its version, _WritePlan)
         self.fields: dict[str, torch.Tensor] = {}
+        self._block_quantizers = None  # the compiled block quantizers (CPU), looked up on first use
         if not self.staged:
             self.num_residual_blocks = 0
             return
@@ -150,6 +167,33 @@ class QuantizedKVCache(KVCache):
     def _store_blocks(self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole blocks k, v `[nb, block_size, H, D]` into `block_ids` (staged mode)."""
         raise NotImplementedError
+
+    def _quantize_compiled(self, dst: torch.Tensor, source: BlockSource) -> bool:
+        """Quantize `source`'s blocks into flat blocks `dst` (layer * num_blocks + block) with the
+        compiled quantizer, as `_store_blocks` would; False, having written nothing, when it does
+        not apply to this format or a value must go to the torch path (which raises its error)."""
+        return False
+
+    def _quantizers(self):
+        """cpu_kernel.BlockQuantizers, or False (another device, no compiler)."""
+        if self._block_quantizers is None:
+            from kvserve.model.attention.cpu_kernel import block_quantizers
+            self._block_quantizers = (block_quantizers() if self.device.type == "cpu" else None) or False
+        return self._block_quantizers
+
+    def _store_blocks_compiled(self, layer: int | torch.Tensor, block_ids: torch.Tensor, k: torch.Tensor,
+                               v: torch.Tensor) -> bool:
+        """`_store_blocks` by the compiled quantizer, when it applies (a 2,048-token prefill step spent
+        ~50 ms per step in the torch ops of quantize_groups, bench/NOTES.md session 8)."""
+        shape = (block_ids.numel(), self.block_size, self.num_kv_heads, self.head_dim)
+        if (not self._quantizers() or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
+                or k.shape != shape or v.shape != shape):
+            return False
+        k, v = k.contiguous(), v.contiguous()
+        dst = (torch.as_tensor(layer, dtype=torch.long) * self.num_blocks + block_ids).contiguous()
+        blk = self.block_size * self.num_kv_heads * self.head_dim
+        return self._quantize_compiled(dst, BlockSource(k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+                                                        block_ids.numel(), None, blk))
 
     def _store_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize tokens k, v `[T, H, D]` into flat `slots` (direct mode)."""
@@ -336,11 +380,15 @@ class QuantizedKVCache(KVCache):
         if self.staged and self.seal_at_step_end:
             full = (self.res_owner >= 0) & self.res_mask.all(-1)  # [L, entries]
             if bool(full.any()):
-                self._seal(*full.nonzero(as_tuple=True))
+                self._seal(*full.nonzero(as_tuple=True), full=True)
 
-    def _seal(self, layer: int | torch.Tensor, entries: torch.Tensor) -> None:
+    def _seal(self, layer: int | torch.Tensor, entries: torch.Tensor, full: bool = False) -> None:
         """Quantize residual entries into their blocks and free them; `layer` is one layer or
-        one per entry (the formats index their fields `[layer, block_ids]`, which takes both)."""
+        one per entry (the formats index their fields `[layer, block_ids]`, which takes both).
+        `full`: the caller knows every entry is full (no padding), so the compiled quantizer may
+        read them where they are."""
+        if full and self._seal_compiled(layer, entries):
+            return
         owners = self.res_owner[layer, entries]
         kv = self.res_kv[layer, entries].float()  # [n, 2, bs, H, D]
         mask = self.res_mask[layer, entries]  # [n, bs]
@@ -356,15 +404,35 @@ class QuantizedKVCache(KVCache):
         self.block_res[layer, owners] = -1
         self.res_owner[layer, entries] = -1
 
+    def _seal_compiled(self, layer: int | torch.Tensor, entries: torch.Tensor) -> bool:
+        """`_seal` of full entries by the compiled quantizer, straight from the residual pool (the
+        torch path gathers them as float32 first). At batch 64 some block fills in most decode
+        steps; the torch path cost 1-5 ms per step (bench/NOTES.md, session 10)."""
+        if self.res_kv.dtype not in (torch.float32, torch.bfloat16) or not self._quantizers():
+            return False
+        owners = self.res_owner[layer, entries]
+        layers = torch.as_tensor(layer, dtype=torch.long).expand_as(entries)
+        blk = self.block_size * self.num_kv_heads * self.head_dim
+        base, es = self.res_kv.data_ptr(), self.res_kv.element_size()
+        # res_kv is [L, entries, 2, bs, H, D]: entry e of layer l starts (l * entries + e) * 2 * blk in.
+        source = BlockSource(base, base + blk * es, int(self.res_kv.dtype == torch.bfloat16), entries.numel(),
+                             (layers * self.num_residual_blocks + entries).contiguous(), 2 * blk)
+        if not self._quantize_compiled((layers * self.num_blocks + owners).contiguous(), source):
+            return False
+        self.sealed_fill[layer, owners] = self.block_size
+        self.block_res[layer, owners] = -1
+        self.res_owner[layer, entries] = -1
+        return True
+
     def _allocate(self, layer: int, blocks: torch.Tensor, busy: torch.Tensor) -> torch.Tensor:
         """Residual entries for `blocks` (not yet in the pool); evicts LRU entries not in `busy`."""
         free = (self.res_owner[layer] < 0).nonzero().flatten()
         need = blocks.numel() - free.numel()
         if need > 0 and self.seal_at_step_end:  # blocks filled earlier and not yet sealed go first
             owners = self.res_owner[layer]
-            full = ((owners >= 0) & self.res_mask[layer].all(-1) & ~torch.isin(owners, busy)).nonzero().flatten()
-            if full.numel():
-                self._seal(layer, full)
+            filled = ((owners >= 0) & self.res_mask[layer].all(-1) & ~torch.isin(owners, busy)).nonzero().flatten()
+            if filled.numel():
+                self._seal(layer, filled, full=True)
                 free = (self.res_owner[layer] < 0).nonzero().flatten()
                 need = blocks.numel() - free.numel()
         if need > 0:
@@ -457,7 +525,7 @@ class QuantizedKVCache(KVCache):
         entry = self.block_res[layer, part.blocks]
         done = self.res_mask[layer, entry].all(1)
         if bool(done.any()):
-            self._seal(layer, entry[done])
+            self._seal(layer, entry[done], full=True)
 
     def _write_rows(self, layer: int, part: _Placement, k: torch.Tensor, v: torch.Tensor) -> bool:
         """The compiled residual write: one call instead of the torch ops below, blocks new to the

@@ -112,5 +112,9 @@ def unpack_block(buf: Buffer) -> list[torch.Tensor]:
         if numel == 0:
             out.append(torch.empty(shape, dtype=dtype))
         else:
-            out.append(torch.frombuffer(view, dtype=dtype, count=numel, offset=offset).view(shape))
+            with warnings.catch_warnings():
+                # bytes from Redis or a file are read-only; the views are documented as such and
+                # the cache copies them in, so torch's once-per-process warning is only log noise.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                out.append(torch.frombuffer(view, dtype=dtype, count=numel, offset=offset).view(shape))
     return out

@@ -3,13 +3,15 @@
 Why: torch's CPU SDPA (and batched matmul) over a gathered copy of the blocks is slow for the
 shapes of paged attention: at 1 sequence x 256 keys decode it spends ~4x the time of reading the
 K/V, at 64 sequences x 384 keys ~10x, and a prefill chunk pays for gathering its whole context.
-Two kernels read every sequence's K/V straight out of its blocks:
+Three kernels read every sequence's K/V straight out of its blocks:
   - csrc/paged_decode.cpp: decodes (one query row per sequence), float32 or bf16, float32 math.
   - csrc/paged_attention_bf16.cpp: decodes *and* prefill chunks of every sequence in one call
     (varlen), bf16 through AVX512-BF16 dot products; built where the CPU has them. It reads the
     KV cache's "pairs" layout (kv_cache.py), whose writes `store_kv_pairs` does.
   - csrc/decode_quantized.cpp: decodes over a quantized (int8, int4, fp8) cache's codes in place, the
     dequantization folded into the query and the probabilities.
+The same library carries the quantized caches' cache-side passes (stage_quantized.cpp: staging,
+the residual write; quantize_blocks.cpp: whole blocks to codes).
 
 The sources are compiled with `g++ -O3 -march=native -fopenmp` into one library in a cache
 directory keyed by the sources, the compiler and the CPU's flags, and called through ctypes (no
@@ -30,6 +32,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,7 +44,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # One library for every compiled CPU op: the attention kernels here and the decoder's bf16
 # elementwise steps (model/csrc, called from model/fused.py).
 _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "stage_quantized.cpp",
-            CSRC / "decode_quantized.cpp", CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp")
+            CSRC / "decode_quantized.cpp", CSRC / "quantize_blocks.cpp",
+            CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp")
 # Part of the cache key, not compiled alone.
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC / "quant_fields.h")
 
@@ -85,9 +89,14 @@ _STAGE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P,
 # nblocks, index, offs, rows, ntok, k, v, nrows, k_stride, v_stride (bytes), row_bytes, block_size, clock
 _RESIDUAL_WRITE_ARGTYPES = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64,
                             _I64, _I64, _I64, _I64, _I64]
-# k, v, is_bf16, n, dst, block_size, hkv, head_dim, key group, value group, k codes / scale / zero, v ...
-_QUANT_INT8_ARGTYPES = [_P, _P, ctypes.c_int, _I64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                        ctypes.c_int, _P, _P, _P, _P, _P, _P]
+_INT = ctypes.c_int
+# k, v, is_bf16, n, src, src_stride, dst, block_size, hkv, head_dim, key group, value group, bits, compact,
+# v_symmetric, k codes / scale / zero / exponent, v ...
+_QUANT_INT_ARGTYPES = [_P, _P, _INT, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT,
+                       _P, _P, _P, _P, _P, _P, _P, _P]
+# k, v, is_bf16, n, src, src_stride, dst, block_size, hkv, head_dim, per_head, center, k codes / scale / mean,
+# v codes / scale
+_QUANT_FP8_ARGTYPES = [_P, _P, _INT, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _P, _P, _P, _P, _P]
 # kf, vf, res, block_res, q, out, q_rows, q_stride, out_stride, block_tables, bt_stride, seq_lens, n, hq,
 # hkv, block_size, scale
 _QDECODE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P, _P, _P, _I64, _I64, _P, _I64,
@@ -169,8 +178,10 @@ def load_library() -> ctypes.CDLL | None:
             lib.stage_quantized_available.restype = ctypes.c_int
             lib.residual_write_rows.argtypes = _RESIDUAL_WRITE_ARGTYPES
             lib.residual_write_rows.restype = ctypes.c_int
-            lib.quantize_int8_blocks.argtypes = _QUANT_INT8_ARGTYPES
-            lib.quantize_int8_blocks.restype = ctypes.c_int
+            lib.quantize_int_blocks.argtypes = _QUANT_INT_ARGTYPES
+            lib.quantize_int_blocks.restype = ctypes.c_int
+            lib.quantize_fp8_blocks.argtypes = _QUANT_FP8_ARGTYPES
+            lib.quantize_fp8_blocks.restype = ctypes.c_int
             for d in _HEAD_DIMS:
                 fn = getattr(lib, f"decode_quantized_d{d}")
                 fn.argtypes = _QDECODE_ARGTYPES
@@ -214,11 +225,17 @@ def residual_write_kernel():
     return None if lib is None else lib.residual_write_rows
 
 
-def quantize_int8_kernel():
-    """`quantize_int8_blocks` (whole blocks to KIVI int8 codes with float16 metadata, bit-equal to
-    quant.quantize_groups), or None."""
+class BlockQuantizers(NamedTuple):
+    """csrc/quantize_blocks.cpp: whole blocks to a quantized cache's codes and metadata, bit-equal to
+    the torch path (quant.quantize_groups, quant.quantize_fp8). Each returns 0, or 1 having written
+    nothing when a value must go to the torch path."""
+    int_blocks: ctypes._CFuncPtr  # KIVI int8 / int4, float16 or compact e4m3 metadata
+    fp8_blocks: ctypes._CFuncPtr  # fp8 e4m3, dynamic scales, centered keys
+
+
+def block_quantizers() -> BlockQuantizers | None:
     lib = load_library()
-    return None if lib is None else lib.quantize_int8_blocks
+    return None if lib is None else BlockQuantizers(lib.quantize_int_blocks, lib.quantize_fp8_blocks)
 
 
 def quantized_decode_kernel_for(head_dim: int, device: torch.device):

@@ -1,0 +1,36 @@
+"""The wheel carries what the package needs at run time, beyond its Python modules.
+
+The CPU kernels are compiled on first use from sources shipped as package data; a source or header
+missing from the wheel would make every non-editable install fall back to the pure-torch paths
+(slower, and silently: the build failure is only logged)."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from kvserve.model.attention import cpu_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_ships_every_kernel_source_and_header(tmp_path):
+    # From a copy without egg-info or build output: setuptools also ships what a stale
+    # SOURCES.txt lists, which hid a header missing from the package data.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", tree)
+    shutil.copy(ROOT / "README.md", tree)
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    # The installed setuptools when there is one (no download); else pip fetches it, as installs do.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
+                    "-w", str(tmp_path), str(tree)], check=True, capture_output=True, timeout=300)
+    wheel = next(tmp_path.glob("kvserve-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = cpu_kernel.CSRC.parents[2]  # .../src/kvserve
+    needed = {f"kvserve/{p.relative_to(package).as_posix()}" for p in (*cpu_kernel._SOURCES, *cpu_kernel._HEADERS)}
+    assert needed <= names, sorted(needed - names)
