@@ -1,7 +1,8 @@
 """Where a decode step's time goes at batch 64: the model forward vs everything else (issue 7:
 scheduling and bookkeeping under 10 % of step time).
 
-Runs the random workload's 64 requests (prompts 128-512 tokens) until all of them are decoding,
+Runs the random workload's 64 requests (prompts 128-512 tokens; --workload shared: a 1,024-token
+shared prefix + 32) until all of them are decoding,
 then times --steps engine steps. "Model" is `LlamaModel.forward` plus `compute_logits`; the rest
 (scheduler, KV cache manager, step metadata, sampler, detokenizer, output objects) is everything
 `LLMEngine.step` does around them. `--breakdown` splits the model time into attention (the
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), int8, fp8, int4")
+    ap.add_argument("--workload", default="random", choices=("random", "shared"),
+                    help="random: prompts of 128-512 tokens; shared: a 1,024-token prefix + 32 each")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="time attention and linear layers inside the model")
     ap.add_argument("--json", default=str(HERE / "results" / "step_profile.json"))
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
     llm = LLM(None, dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=64,
               kv_cache_dtype=args.kv_cache_dtype)
     engine, model = llm.engine, llm.engine.runner.model
-    prompts, _ = make_workloads(64, 49152)["random"]
+    prompts, _ = make_workloads(64, 49152)[args.workload]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 40, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
         prof.disable()
     total = time.perf_counter() - t
     rest = total - spent["model"] - spent["kv_seal"]
-    result = {"steps": args.steps, "kv_cache_dtype": args.kv_cache_dtype, "mean_batch": sum(batch) / len(batch), "ms_per_step": total / args.steps * 1e3,
+    result = {"steps": args.steps, "workload": args.workload, "kv_cache_dtype": args.kv_cache_dtype, "mean_batch": sum(batch) / len(batch), "ms_per_step": total / args.steps * 1e3,
               "model_ms_per_step": spent["model"] / args.steps * 1e3, "other_ms_per_step": rest / args.steps * 1e3,
               "kv_seal_ms_per_step": spent["kv_seal"] / args.steps * 1e3,
               "other_share": rest / total, "token_occupancy": engine.get_stats().token_occupancy,
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
     if args.breakdown:
         result.update({f"{k}_ms_per_step": spent[k] / args.steps * 1e3 for k in ("attention", "linears")})
         result["model_rest_ms_per_step"] = (spent["model"] - spent["attention"] - spent["linears"]) / args.steps * 1e3
-    print(f"\n{args.steps} decode steps, mean batch {result['mean_batch']:.1f}, {args.dtype}"
+    print(f"\n{args.steps} decode steps ({args.workload}), mean batch {result['mean_batch']:.1f}, {args.dtype}"
           f"{' (under cProfile)' if prof else ''}")
     print(f"{'step ms':>8} {'model ms':>9} {'KV seal ms':>11} {'other ms':>9} {'other share':>12} {'KV occupancy':>13}")
     print(f"{result['ms_per_step']:>8.1f} {result['model_ms_per_step']:>9.1f} {result['kv_seal_ms_per_step']:>11.2f} "

@@ -6,7 +6,7 @@ matches a float64 reference over the cache's values dequantized in float32 (the 
 there, so the tolerance is the bf16 output's rounding), across block sizes, head sizes, GQA
 ratios, open blocks and evicted ones the step's write re-opens, shared blocks, contexts long
 enough to be split over spans,
-and the decodes of mixed steps (whose prompt chunks alone are staged);
+and the decodes of mixed steps (whose prompt chunks are staged, and decodes sharing a prefix);
 int8, int4, fp8 e4m3 and e5m2 codes; layouts it does not read (key groups shorter than 16
 tokens, caches without a residual pool) are staged instead; and an engine with an int8, fp8 or
 int4 cache decodes through it end to end.
@@ -109,9 +109,11 @@ def float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim):
 def test_decode_over_codes_matches_float64_over_the_dequantized_cache(
         variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share):
     cache, meta, q, k, v = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share)
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    # No cascade: decodes sharing a prefix would be staged (test_shared_prefix_groups_...).
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=False)
     got = backend.forward(1, q, k, v, cache, meta).double()
-    assert "codes" in meta.backend_state and "staged" not in meta.backend_state  # the codes kernel ran
+    assert "codes_split" in meta.backend_state and "staged" not in meta.backend_state  # the codes kernel ran
+    assert "staged_subset" not in meta.backend_state
     if residual_blocks is not None:
         assert cache.residual_evictions > 0
     ref = float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim)
@@ -152,7 +154,7 @@ def test_caches_without_a_residual_pool_are_staged(variant):
     heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = decode_step(variant, [5, 40, 77], heads, kv_heads, head_dim)
     TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5).forward(1, q, k, v, cache, meta)
-    assert "staged" in meta.backend_state and "codes" not in meta.backend_state
+    assert "staged" in meta.backend_state and "codes_split" not in meta.backend_state
 
 
 def mixed_step(variant, seed=2):
@@ -189,10 +191,10 @@ def test_mixed_steps_attend_decodes_over_codes_and_stage_only_the_prompts(varian
     cache, meta, q, k, v = mixed_step(variant)
     backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
     got = backend.forward(1, q, k, v, cache, meta).double()
-    assert "codes" in meta.backend_state and "staged_prefills" in meta.backend_state
-    assert len(meta.backend_state["staged_prefills"]) >= (3 if stage_bytes else 1)
+    assert "codes_split" in meta.backend_state and "staged_subset" in meta.backend_state
+    assert len(meta.backend_state["staged_subset"]) >= (3 if stage_bytes else 1)
     assert "staged" not in meta.backend_state
-    staged_seqs = sorted(int(i) for plan in meta.backend_state["staged_prefills"]
+    staged_seqs = sorted(int(i) for plan in meta.backend_state["staged_subset"]
                          for i in np.asarray(meta.prefill_seq_ids)[plan.part.seqs])
     assert staged_seqs == meta.prefill_seq_ids == [1, 3, 5, 6]
     dec = meta.decode_token_ids
@@ -202,6 +204,35 @@ def test_mixed_steps_attend_decodes_over_codes_and_stage_only_the_prompts(varian
     pre = torch.tensor([r for i in meta.prefill_seq_ids for r in range(meta.query_start_loc[i], meta.query_start_loc[i + 1])])
     ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
     torch.testing.assert_close(got[pre], ref[pre], atol=1.5e-2, rtol=0)
+
+
+@codes_kernel
+@pytest.mark.parametrize("variant", ["int8", "fp8", "int4"])
+def test_decodes_sharing_a_prefix_are_staged_for_cascade_and_the_rest_go_over_codes(variant):
+    """Decodes in a shared-prefix group (prefix caching: a system prompt, one document) are staged,
+    so the bf16 kernel reads the shared blocks once for the whole group; decodes outside any group
+    still go over the codes. Each matches its reference: the codes part the float32-dequantized
+    cache within the bf16 output's rounding, the staged part the bf16-dequantized one."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    # 0-4 and 6 share 4-12 leading blocks of sequence 0's; 5 shares only 2 (too few to group).
+    cache, meta, q, k, v = decode_step(variant, [200, 180, 230, 190, 210, 40, 77], heads, kv_heads, head_dim,
+                                       share=True)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    got = backend.forward(1, q, k, v, cache, meta).double()
+    split = meta.backend_state["codes_split"]
+    plans = meta.backend_state["staged_subset"]
+    assert "staged" not in meta.backend_state and sum(p.varlen.groups.num_groups for p in plans) >= 1
+    staged = [int(i) for i in split.staged_seqs]
+    on_codes = [i for i in range(meta.num_seqs) if i not in staged]
+    assert len(staged) >= 4 and 5 in on_codes
+    assert torch.equal(split.codes.token_ids, torch.tensor([meta.query_start_loc[i] for i in on_codes]))
+    rows = {"codes": torch.tensor([meta.query_start_loc[i] for i in on_codes]),
+            "staged": torch.tensor([meta.query_start_loc[i] for i in staged])}
+    exact = float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim)
+    err = (got[rows["codes"]] - exact[rows["codes"]]).abs()
+    assert float((err - exact[rows["codes"]].abs() * 2 ** -8).max()) <= 1e-4, float(err.max())
+    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
+    torch.testing.assert_close(got[rows["staged"]], ref[rows["staged"]], atol=1.5e-2, rtol=0)
 
 
 @codes_kernel
@@ -221,7 +252,7 @@ def test_fp8_codes_are_staged_while_denormals_are_flushed():
     torch.testing.assert_close(got, ref, atol=1.5e-2, rtol=0)
     cache, meta, q, k, v = decode_step("fp8", [5, 40, 77])
     backend.forward(1, q, k, v, cache, meta)
-    assert "codes" in meta.backend_state and "staged" not in meta.backend_state
+    assert "codes_split" in meta.backend_state and "staged" not in meta.backend_state
 
 
 @codes_kernel
@@ -229,7 +260,7 @@ def test_sliding_windows_are_staged():
     heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = decode_step("int8", [5, 40])
     TorchAttentionBackend(heads, kv_heads, head_dim, scale=0.125, sliding_window=16).forward(1, q, k, v, cache, meta)
-    assert "staged" in meta.backend_state and "codes" not in meta.backend_state
+    assert "staged" in meta.backend_state and "codes_split" not in meta.backend_state
 
 
 @codes_kernel

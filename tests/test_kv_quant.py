@@ -165,6 +165,9 @@ def test_quantizer_errors_name_the_setting():
         quant.bytes_per_block_per_layer("int4", 1, 63, 16, 63)
     with pytest.raises(ConfigError, match="group-size"):
         IntPagedKVCache(TINY, num_blocks=4, block_size=8, dtype=torch.float32, group_size=3)
+    odd = ModelConfig("llama", 100, 6, 128, 2, 2, 2, 3, 1024)  # head_dim 3: int4 cannot pack it
+    with pytest.raises(ConfigError, match="even head_dim"):
+        IntPagedKVCache(odd, num_blocks=4, block_size=16, dtype=torch.float32, compact=False, group_size=1)
 
 
 # ---------------------------------------------------------------------------- byte accounting
@@ -539,14 +542,14 @@ def test_a_slot_out_of_range_is_an_index_error_not_a_stray_write():
     assert all(torch.equal(a, b) for a, b in zip(before, (c.res_kv, c.res_mask, c.block_res)))
 
 
-def _compiled_vs_torch(kind: str, dtype: torch.dtype, heads: int = 2, head_dim: int = 64,
+def _compiled_vs_torch(kind: str, dtype: torch.dtype, heads: int = 2, head_dim: int = 64, block_size: int = 16,
                        **kw) -> tuple[list[QuantizedKVCache], list[bool]]:
     """Two caches alike but for the block quantizer: [0] compiled (its calls' results logged), [1] torch."""
     from kvserve.model.attention.cpu_kernel import block_quantizers
     if block_quantizers() is None:
         pytest.skip("no C++ compiler: the torch path is the only one")
     cfg = ModelConfig("llama", 100, heads * head_dim, 128, 2, heads, heads, head_dim, 1024)
-    caches = [create_kv_cache(cfg, num_blocks=40, block_size=16, kv_cache_dtype=kind, dtype=dtype, **kw)
+    caches = [create_kv_cache(cfg, num_blocks=40, block_size=block_size, kv_cache_dtype=kind, dtype=dtype, **kw)
               for _ in range(2)]
     caches[1]._block_quantizers = False  # the torch ops
     compiled, ran = caches[0]._quantize_compiled, []
@@ -617,6 +620,48 @@ def test_compiled_block_quantizer_stores_what_the_torch_path_does(kind, kw, dtyp
             with pytest.raises(quant.QuantError, match="float16 range"):
                 caches[0]._store_blocks(0, torch.tensor([1, 2, 3]), k, v)
     assert not any(ran[len(scales) + 1:])
+
+
+@pytest.mark.parametrize("heads,head_dim", [(2, 64), (3, 8)], ids=["vector", "scalar"])
+@pytest.mark.parametrize("kind,kw", [("int8", {}), ("int8", {"group_size": 8}), ("int4", {}),
+                                     ("int4", {"compact": False}), ("fp8", {})],
+                         ids=["int8", "int8-g8", "int4", "int4-f16", "fp8"])
+def test_compiled_block_quantizer_edge_cases_match_the_torch_path(kind, kw, heads, head_dim):
+    """Bit-equal at the edges too: mixed-sign zeros in a group (which zero the range reports decides
+    a metadata sign bit), a float32 maximum so small that amax / 448 underflows (fp8 stored NaN
+    before), 32-token blocks whose key channel spans 2^40 (the float64 key mean, summed in order),
+    key groups shorter than the block, int32 block ids, and a call large enough for the OpenMP
+    branch. An id outside the cache is the torch path's IndexError, not a stray write."""
+    caches, ran = _compiled_vs_torch(kind, torch.float32, heads, head_dim, block_size=32, **kw)
+    g = torch.Generator().manual_seed(5)
+    shape = (40, 32, heads, head_dim)  # 40 x 32 x 128 elements: past the OpenMP threshold
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    k[0, :, 0, :] = 0.0
+    for t in range(32):  # zeros of both signs, the -0 moving through the lanes, beside ones
+        k[0, t, 0, t % head_dim] = -0.0  # keys: down a channel
+        v[0, t, 0, :] = 1.0
+        c = t % (head_dim - 1)
+        v[0, t, 0, c:c + 2] = torch.tensor([-0.0, 0.0] if t < 16 else [0.0, -0.0])  # values: in a group
+    k[1, :, 0, :] = 1.0
+    k[1, :8, 0, :] = -0.0
+    k[1, 8:16, 0, :] = 0.0
+    k[2], v[2] = 0.0, 0.0
+    k[2, 5, 0, 0] = v[2, 7, 1, 1] = 1e-44  # float32 subnormal: amax / 448 underflows to 0
+    # The mean is 17/32 + 2^-21, just above an e4m3 midpoint; summed other than in order, the
+    # 2^-16 is lost to the 2^40 and it rounds to even, below.
+    big = 2.0 ** 40 if kind == "fp8" else 2.0 ** 15  # float16 metadata stops at 6e4
+    k[3, :, 0, 0] = torch.tensor([big, 17.0, *[0.0] * 14, -big, 2.0 ** -16, *[0.0] * 14])
+    ids = torch.randperm(40, generator=g).to(torch.int32)
+    for c in caches:
+        c._store_blocks(1, ids, k, v)
+    assert ran == [True]
+    _assert_same_fields(*caches)
+    if kind == "fp8":
+        assert not caches[0].fields["k"].view(torch.uint8).eq(0x7F).any()  # no NaN codes
+    for c in caches:
+        with pytest.raises(IndexError):
+            c._store_blocks(1, torch.tensor([3, 40]), k[:2], v[:2])
+    assert ran[-1] is False
 
 
 @pytest.mark.parametrize("heads,head_dim", [(2, 64), (3, 8)], ids=["vector", "scalar"])

@@ -222,9 +222,9 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
     staged_steps = []
     real = torch_backend.TorchAttentionBackend._staged_plans
 
-    def spy(self, meta, kv_cache, **kw):
+    def spy(self, meta, kv_cache, *args):
         fresh = "staged" not in meta.backend_state
-        plans = real(self, meta, kv_cache, **kw)
+        plans = real(self, meta, kv_cache, *args)
         staged_steps.append(fresh)
         return plans
 

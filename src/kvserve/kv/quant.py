@@ -86,7 +86,21 @@ def fp8_dynamic_scale(x: torch.Tensor, kind: str, reduce_dims: tuple[int, ...]) 
     xf = x.detach().float()  # a no-op for float32 input
     amax = xf.abs().amax(dim=reduce_dims, keepdim=True) if reduce_dims else xf.abs()
     # An all-zero group gets scale 1: any scale represents zeros exactly, and 0 would divide by 0.
-    return torch.where(amax > 0, amax / fp8_max(kind), torch.ones_like(amax))
+    # So does one whose scale underflows (float32 amax below ~3e-43): 0 / 0 would store NaN.
+    scale = amax / fp8_max(kind)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _mean_in_order(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The float64 mean over `dims` (kept), for one dim summed from +0 in index order: what the
+    compiled quantizer computes, bit for bit (torch's own reduction order is its business)."""
+    if len(dims) != 1:
+        return x.double().mean(dim=dims, keepdim=True)
+    xd = x.double()
+    acc = torch.zeros_like(xd.select(dims[0], 0))
+    for row in xd.unbind(dims[0]):
+        acc += row
+    return (acc / x.shape[dims[0]]).unsqueeze(dims[0])
 
 
 def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | float | None = None,
@@ -107,10 +121,7 @@ def quantize_fp8(x: torch.Tensor, kind: str = "fp8_e4m3", scale: torch.Tensor | 
     if center_dims is not None:
         mean_max = float(torch.finfo(FP8_MEAN_DTYPE).max)
         # Clamped: e4m3fn has no infinity. A clamped mean still centers, only less.
-        # float64: a sum of 16-odd float32 values is then exact or nearly, so its result does not
-        # depend on summation order (the compiled quantizer's is sequential, torch's vectorised).
-        mean = xf.double().mean(dim=center_dims, keepdim=True).float().clamp(-mean_max, mean_max)
-        mean = mean.to(FP8_MEAN_DTYPE)
+        mean = _mean_in_order(xf, center_dims).float().clamp(-mean_max, mean_max).to(FP8_MEAN_DTYPE)
         xf = xf - mean.float()
     if scale is None:
         dims = tuple(range(xf.dim())) if reduce_dims is None else reduce_dims
@@ -187,6 +198,12 @@ def _outward_meta(mn: torch.Tensor, mx: torch.Tensor, qmax: int,
     return scale, zero
 
 
+def _group_range(grouped: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """min and max over `dim`; + 0.0 turns -0 into +0, so which zero a group of mixed-sign zeros
+    reports does not depend on reduction order (it decides the sign bit of stored metadata)."""
+    return grouped.amin(dim=dim) + 0.0, grouped.amax(dim=dim) + 0.0
+
+
 def _ceil_log2(t: torch.Tensor) -> torch.Tensor:
     """ceil(log2(t)) for t > 0, exactly: a float log2 can land on the wrong side of a power of two."""
     mantissa, e = torch.frexp(t)  # t = mantissa * 2^e, mantissa in [0.5, 1)
@@ -209,8 +226,7 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int, comp
     qmax = (1 << bits) - 1
     xf = x.float()
     grouped = xf.unflatten(axis, (n // group_size, group_size))
-    mn = grouped.amin(dim=axis + 1)
-    mx = grouped.amax(dim=axis + 1)
+    mn, mx = _group_range(grouped, axis + 1)
     # amin / amax propagate NaN and inf, so the group ranges show a non-finite value: checking
     # them costs a few percent of checking every element (0.5 ms per 2,048-token layer write).
     if not bool(torch.isfinite(mx - mn).all()):
@@ -231,8 +247,7 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: int, comp
         # Powers of two: exact in float32, so the scaled group keeps its exact min/max.
         factor = torch.exp2(-exponent.float())
         grouped = (xf * factor).unflatten(axis, (n // group_size, group_size))
-        mn = grouped.amin(dim=axis + 1)
-        mx = grouped.amax(dim=axis + 1)
+        mn, mx = _group_range(grouped, axis + 1)
     meta_dtype = COMPACT_META_DTYPE if compact else GROUP_META_DTYPE
     if symmetric:
         half = 1 << (bits - 1)

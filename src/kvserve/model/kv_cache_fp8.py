@@ -76,8 +76,8 @@ class Fp8PagedKVCache(QuantizedKVCache):
             return False
         f = self.fields
         rc = q.fp8_blocks(source.k, source.v, source.is_bf16, source.n, source.src_ptr, source.stride,
-                          dst.data_ptr(), self.block_size, self.num_kv_heads, self.head_dim,
-                          int(self.scale_granularity == "head"), int(self.center_keys), f["k"].data_ptr(),
+                          dst.data_ptr(), self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads,
+                          self.head_dim, int(self.scale_granularity == "head"), int(self.center_keys), f["k"].data_ptr(),
                           f["k_scale"].data_ptr(), f["k_mean"].data_ptr() if self.center_keys else None,
                           f["v"].data_ptr(), f["v_scale"].data_ptr())
         return rc == 0

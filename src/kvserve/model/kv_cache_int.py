@@ -47,6 +47,9 @@ class IntPagedKVCache(QuantizedKVCache):
         self._init_common(model_config, num_blocks, block_size, dtype, device, num_residual_blocks,
                           seal_at_step_end)
         H, D = self.num_kv_heads, self.head_dim
+        if self.bits == 4 and D % 2:
+            raise ConfigError(f"int4 KV packs two channels per byte and needs an even head_dim, got {D}; "
+                              f"use --kv-cache-dtype int8 or fp8")
         try:
             self.groups = quant.effective_group_sizes(group_size, block_size, D)
         except quant.QuantError as e:
@@ -109,8 +112,8 @@ class IntPagedKVCache(QuantizedKVCache):
         def ptr(name: str) -> int | None:
             return f[name].data_ptr() if name in f else None
         rc = q.int_blocks(source.k, source.v, source.is_bf16, source.n, source.src_ptr, source.stride,
-                          dst.data_ptr(), self.block_size, self.num_kv_heads, self.head_dim,
-                          self.groups.key_tokens, self.groups.value_channels, self.bits, int(self.compact),
+                          dst.data_ptr(), self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads,
+                          self.head_dim, self.groups.key_tokens, self.groups.value_channels, self.bits, int(self.compact),
                           int(self.symmetric["v"]), ptr("k"), ptr("k_scale"), ptr("k_zero"), ptr("k_exp"),
                           ptr("v"), ptr("v_scale"), ptr("v_zero"), ptr("v_exp"))
         return rc == 0

@@ -190,7 +190,8 @@ class QuantizedKVCache(KVCache):
                 or k.shape != shape or v.shape != shape):
             return False
         k, v = k.contiguous(), v.contiguous()
-        dst = (torch.as_tensor(layer, dtype=torch.long) * self.num_blocks + block_ids).contiguous()
+        # int64 whatever the ids' dtype: the kernel reads them as such (and checks their range).
+        dst = (torch.as_tensor(layer, dtype=torch.long) * self.num_blocks + block_ids.long()).contiguous()
         blk = self.block_size * self.num_kv_heads * self.head_dim
         return self._quantize_compiled(dst, BlockSource(k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
                                                         block_ids.numel(), None, blk))
@@ -416,7 +417,7 @@ class QuantizedKVCache(KVCache):
         base, es = self.res_kv.data_ptr(), self.res_kv.element_size()
         # res_kv is [L, entries, 2, bs, H, D]: entry e of layer l starts (l * entries + e) * 2 * blk in.
         source = BlockSource(base, base + blk * es, int(self.res_kv.dtype == torch.bfloat16), entries.numel(),
-                             (layers * self.num_residual_blocks + entries).contiguous(), 2 * blk)
+                             (layers * self.num_residual_blocks + entries.long()).contiguous(), 2 * blk)
         if not self._quantize_compiled((layers * self.num_blocks + owners).contiguous(), source):
             return False
         self.sealed_fill[layer, owners] = self.block_size

@@ -90,13 +90,13 @@ _STAGE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P,
 _RESIDUAL_WRITE_ARGTYPES = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64,
                             _I64, _I64, _I64, _I64, _I64]
 _INT = ctypes.c_int
-# k, v, is_bf16, n, src, src_stride, dst, block_size, hkv, head_dim, key group, value group, bits, compact,
-# v_symmetric, k codes / scale / zero / exponent, v ...
-_QUANT_INT_ARGTYPES = [_P, _P, _INT, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT,
+# k, v, is_bf16, n, src, src_stride, dst, dst_rows, block_size, hkv, head_dim, key group, value group, bits,
+# compact, v_symmetric, k codes / scale / zero / exponent, v ...
+_QUANT_INT_ARGTYPES = [_P, _P, _INT, _I64, _P, _I64, _P, _I64, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT,
                        _P, _P, _P, _P, _P, _P, _P, _P]
-# k, v, is_bf16, n, src, src_stride, dst, block_size, hkv, head_dim, per_head, center, k codes / scale / mean,
-# v codes / scale
-_QUANT_FP8_ARGTYPES = [_P, _P, _INT, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _P, _P, _P, _P, _P]
+# k, v, is_bf16, n, src, src_stride, dst, dst_rows, block_size, hkv, head_dim, per_head, center,
+# k codes / scale / mean, v codes / scale
+_QUANT_FP8_ARGTYPES = [_P, _P, _INT, _I64, _P, _I64, _P, _I64, _INT, _INT, _INT, _INT, _INT, _P, _P, _P, _P, _P]
 # kf, vf, res, block_res, q, out, q_rows, q_stride, out_stride, block_tables, bt_stride, seq_lens, n, hq,
 # hkv, block_size, scale
 _QDECODE_ARGTYPES = [ctypes.POINTER(QFieldC), ctypes.POINTER(QFieldC), _P, _P, _P, _P, _P, _I64, _I64, _P, _I64,

@@ -12,8 +12,9 @@ elsewhere) a decode-only kernel covers the decodes over the "tokens" layout; qua
 (fp8, int8, int4) under a bf16 model are dequantized block by block into a bf16 pairs scratch
 that the same varlen kernel reads (staging.py), except the decodes of a step over int8 / int4 / fp8
 codes, which a kernel reads in place with the dequantization folded into its arithmetic
-(csrc/decode_quantized.cpp); only the prompt chunks of such a step are staged. SDPA is the fallback (no compiler, other devices
-or dtypes) and the reference.
+(csrc/decode_quantized.cpp); only the prompt chunks of such a step are staged, and decodes that
+share a cached prefix (staged so that the bf16 kernel reads the shared blocks once for all of
+them). SDPA is the fallback (no compiler, other devices or dtypes) and the reference.
 
 A sliding window (Mistral) means a key at `kp` is visible from a query at `qp` only when
 `0 <= qp - kp < window`; blocks wholly left of every query's window are not gathered at all.
@@ -78,6 +79,12 @@ class _KernelDecodePlan:
     seq_lens: torch.Tensor  # [Nd] long, contiguous
 
 
+@dataclass
+class _CodesSplit:  # a step over a quantized cache: what goes over the codes, what is staged
+    codes: _KernelDecodePlan  # decodes attended over the codes in place
+    staged_seqs: np.ndarray  # int64, ascending: prompt chunks, and decodes in shared-prefix groups
+
+
 class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, *args, use_cpu_kernel: bool = True, cascade: bool = True,
@@ -140,9 +147,10 @@ class TorchAttentionBackend(AttentionBackend):
         staged = self._kernel("staged", q, kv_cache)
         if staged is not None:
             on_codes = self._decode_on_codes(layer, q, out, kv_cache, meta)
-            if on_codes and not meta.prefill_seq_ids:
+            staged_seqs = self._codes_split(meta).staged_seqs if on_codes else None
+            if staged_seqs is not None and not len(staged_seqs):
                 return out
-            for plan in self._staged_plans(meta, kv_cache, prefills_only=on_codes):
+            for plan in self._staged_plans(meta, kv_cache, staged_seqs):
                 k_cache, v_cache = self._scratch.fill(kv_cache, layer, plan.part.block_ids)
                 self._scratch.overlay(k[plan.rows], v[plan.rows], plan.slots, kv_cache.block_size)
                 self._varlen(staged, plan.varlen, q, out, k_cache, v_cache, kv_cache.block_size)
@@ -174,9 +182,9 @@ class TorchAttentionBackend(AttentionBackend):
         kernel = self._kernels[key]
         if kernel is None:
             return False
-        if "codes" not in meta.backend_state:
-            meta.backend_state["codes"] = self._kernel_decode_plan(meta)
-        plan = meta.backend_state["codes"]
+        plan = self._codes_split(meta).codes
+        if not plan.token_ids.numel():  # every decode is in a shared-prefix group: all staged
+            return True
         kf, vf, res, block_res = self._scratch.described.layer(kv_cache, layer)
         rc = kernel(ctypes.byref(kf), ctypes.byref(vf), res, block_res, q.data_ptr(), out.data_ptr(),
                     plan.token_ids.data_ptr(), q.stride(0), out.stride(0), plan.block_tables.data_ptr(),
@@ -206,9 +214,32 @@ class TorchAttentionBackend(AttentionBackend):
         return meta.backend_state[key]
 
     @staticmethod
-    def _kernel_decode_plan(meta: AttentionMetadata) -> _KernelDecodePlan:
-        return _KernelDecodePlan(meta.decode_token_ids.contiguous(), meta.block_tables[meta.decode_seq_ids].contiguous(),
-                                 meta.seq_lens_tensor[meta.decode_seq_ids].contiguous())
+    def _kernel_decode_plan(meta: AttentionMetadata, seqs: torch.Tensor | None = None) -> _KernelDecodePlan:
+        """The decode kernels' arguments for the step's decodes (or decode sequences `seqs`)."""
+        if seqs is None:
+            seqs, rows = meta.decode_seq_ids, meta.decode_token_ids
+        else:
+            rows = torch.tensor(meta.query_start_loc[:-1], dtype=torch.long)[seqs]
+        return _KernelDecodePlan(rows.contiguous(), meta.block_tables[seqs].contiguous(),
+                                 meta.seq_lens_tensor[seqs].contiguous())
+
+    def _codes_split(self, meta: AttentionMetadata) -> _CodesSplit:
+        """Decodes in shared-prefix groups are staged with the prompt chunks: the bf16 kernel then
+        attends to the shared blocks once for the whole group (cascade), where the codes kernel
+        would read them once per sequence. At 64 decodes over a shared 1,024-token prefix, int8:
+        attention 48 ms per step over the codes against ~17 staged with cascade (bench/NOTES.md,
+        session 10). The other decodes go over the codes."""
+        if "codes_split" not in meta.backend_state:
+            prefills = np.asarray(meta.prefill_seq_ids, dtype=np.int64)
+            decodes = meta.decode_seq_ids.cpu().numpy()
+            grouped = np.zeros(0, np.int64)
+            if self.cascade and self.sliding_window is None:
+                grouped = shared_prefix_groups(meta.block_tables.cpu().numpy(), np.asarray(meta.seq_lens),
+                                               np.asarray(meta.query_lens), meta.block_size).members
+            codes = decodes[~np.isin(decodes, grouped)]
+            plan = self._kernel_decode_plan(meta, None if len(codes) == len(decodes) else torch.from_numpy(codes))
+            meta.backend_state["codes_split"] = _CodesSplit(plan, np.sort(np.concatenate([prefills, grouped])))
+        return meta.backend_state["codes_split"]
 
     def _varlen_plan(self, meta: AttentionMetadata) -> _VarlenPlan:
         if "varlen" not in meta.backend_state:
@@ -229,14 +260,14 @@ class TorchAttentionBackend(AttentionBackend):
                            torch.from_numpy(query_lens), tables, torch.from_numpy(seq_lens), groups)
 
     def _staged_plans(self, meta: AttentionMetadata, kv_cache: KVCache,
-                      prefills_only: bool = False) -> list[_StagedPlan]:
-        """Parts of the step (or of its prefill chunks only, when the decodes were attended over
-        the codes) whose blocks fit the scratch, each with its kernel arguments over the scratch
-        (the blocks left of a sliding window are neither staged nor read)."""
-        key = "staged_prefills" if prefills_only else "staged"
+                      seqs_subset: np.ndarray | None = None) -> list[_StagedPlan]:
+        """Parts of the step (or of sequences `seqs_subset` only, ascending, when the other decodes
+        were attended over the codes) whose blocks fit the scratch, each with its kernel arguments
+        over the scratch (the blocks left of a sliding window are neither staged nor read)."""
+        key = "staged" if seqs_subset is None else "staged_subset"
         if key not in meta.backend_state:
             bs = meta.block_size
-            ids = np.asarray(meta.prefill_seq_ids if prefills_only else range(meta.num_seqs), dtype=np.int64)
+            ids = np.arange(meta.num_seqs, dtype=np.int64) if seqs_subset is None else seqs_subset
             seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)[ids]
             start = np.asarray(meta.start_pos, dtype=np.int64)[ids]
             first = np.zeros_like(seq_lens)

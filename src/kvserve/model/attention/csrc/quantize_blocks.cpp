@@ -11,7 +11,7 @@
 //
 // Sources: block i's K is the [bs, hkv, dh] elements at k + (src ? src[i] : i) * stride, its V the
 // same offset from v; float32 (is_bf16 = 0) or bf16. It goes to flat block dst[i] of the fields
-// ([layer * num_blocks + block] rows).
+// ([layer * num_blocks + block] rows, dst_rows of them; one outside declines the call).
 #pragma GCC optimize("fp-contract=off")  // a fused multiply-add rounds once where torch rounds twice
 #include <stdint.h>
 #include <string.h>
@@ -43,6 +43,13 @@ inline float load_x(const void* x, int64_t i, int is_bf16) {
     return f;
 }
 
+// Destination rows outside the fields: the torch path's indexing raises the IndexError.
+bool rows_in_range(const int64_t* dst, int64_t n, int64_t rows) {
+    for (int64_t i = 0; i < n; ++i)
+        if (dst[i] < 0 || dst[i] >= rows) return false;
+    return true;
+}
+
 // False when a value is one the torch path must handle: non-finite, or |x| > limit.
 bool all_within(const Source& s, int64_t n, int64_t blk, float limit) {
     int bad = 0;
@@ -58,7 +65,7 @@ bool all_within(const Source& s, int64_t n, int64_t blk, float limit) {
 // ------------------------------------------------------------------------------------------ e4m3
 
 // float32 -> e4m3fn, round to nearest even: c10's fp8e4m3fn_from_fp32_value, which torch's cast
-// uses. |f| <= 448 here (the callers clamp first, as the torch path does).
+// uses. The callers clamp to +-448 first, as the torch path does (NaN stays NaN: 0x7f).
 inline uint8_t e4m3_of(float f) {
     uint32_t bits;
     memcpy(&bits, &f, 4);
@@ -158,6 +165,8 @@ inline void int_group(const void* x, int64_t base, int64_t stride, int g, int is
         mn = e < mn ? e : mn;
         mx = e > mx ? e : mx;
     }
+    mn += 0.f;  // -0 -> +0, as quant._group_range: which zero wins must not depend on order
+    mx += 0.f;
     const float qmax = (float)((1 << bits) - 1);
     if (symmetric) {
         const float half = (float)(1 << (bits - 1));
@@ -229,7 +238,7 @@ void int_block(const Source& s, int64_t i, int64_t d, const IntLayout& L, uint8_
     put_codes(codes, blk, L.bits, (uint8_t*)L.v_codes + d * packed);
 }
 
-#if defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define KVS_QUANT_VECTOR 1
 // The same arithmetic 16 lanes at a time: vdivps, vsubps, vmulps, vaddps and vroundscaleps round
 // as the scalar ops do, and each lane's integer steps are the scalar ones.
@@ -359,6 +368,8 @@ bool int_block_vector(const Source& s, int64_t i, int64_t d, const IntLayout& L,
                 mn = _mm512_min_ps(mn, e);
                 mx = _mm512_max_ps(mx, e);
             }
+            mn = _mm512_add_ps(mn, _mm512_setzero_ps());  // -0 -> +0 (quant._group_range)
+            mx = _mm512_add_ps(mx, _mm512_setzero_ps());
             const __m512i z = M::outward16(mn, false);
             const __m512 zf = M::value16(z);
             const __m512i sc = M::outward16(_mm512_div_ps(_mm512_sub_ps(mx, zf), _mm512_set1_ps(qmax)), true);
@@ -396,7 +407,7 @@ bool int_block_vector(const Source& s, int64_t i, int64_t d, const IntLayout& L,
                     mn = _mm512_min_ps(mn, e);
                     mx = _mm512_max_ps(mx, e);
                 }
-                const float lo = _mm512_reduce_min_ps(mn), hi = _mm512_reduce_max_ps(mx);
+                const float lo = _mm512_reduce_min_ps(mn) + 0.f, hi = _mm512_reduce_max_ps(mx) + 0.f;
                 if (L.v_symmetric) {
                     const T sc = M::outward((hi > -lo ? hi : -lo) / (half - 1.f), true);
                     const float sf = M::value(sc);
@@ -451,7 +462,8 @@ void fp8_tensor(const void* x, int64_t base, int is_bf16, const Fp8Layout& L, co
                 const float e = load_x(x, base + t * tok + c, is_bf16) - (mean ? mean[c] : 0.f);
                 amax = fmaxf(amax, fabsf(e));
             }
-        const float sc = amax > 0.f ? amax / 448.f : 1.f;
+        float sc = amax / 448.f;
+        sc = sc > 0.f ? sc : 1.f;  // zeros, or an amax so small the scale underflows
         scales[d * nscale + g] = sc;
         for (int t = 0; t < L.bs; ++t)
             for (int c = g * span; c < (g + 1) * span; ++c) {
@@ -476,7 +488,8 @@ void fp8_tensor_vector(const void* x, int64_t base, int is_bf16, const Fp8Layout
                 if (mean) e = _mm512_sub_ps(e, _mm512_loadu_ps(mean + c));
                 amax = _mm512_max_ps(amax, _mm512_abs_ps(e));
             }
-        const float a = _mm512_reduce_max_ps(amax), sc = a > 0.f ? a / 448.f : 1.f;
+        float sc = _mm512_reduce_max_ps(amax) / 448.f;
+        sc = sc > 0.f ? sc : 1.f;
         scales[d * nscale + g] = sc;
         const __m512 scv = _mm512_set1_ps(sc);
         for (int t = 0; t < L.bs; ++t)
@@ -540,7 +553,7 @@ void fp8_block(const Source& s, int64_t i, int64_t d, const Fp8Layout& L, float*
 // block of K and of V; values symmetric (no zero point) when v_symmetric. Keys are grouped per
 // channel over gt tokens, values per token over gd channels.
 extern "C" int quantize_int_blocks(const void* k, const void* v, int is_bf16, int64_t n, const int64_t* src,
-                                   int64_t src_stride, const int64_t* dst, int bs, int hkv, int dh, int gt, int gd,
+                                   int64_t src_stride, const int64_t* dst, int64_t dst_rows, int bs, int hkv, int dh, int gt, int gd,
                                    int bits, int compact, int v_symmetric, void* k_codes, void* k_scale,
                                    void* k_zero, void* k_exp, void* v_codes, void* v_scale, void* v_zero,
                                    void* v_exp) {
@@ -551,6 +564,7 @@ extern "C" int quantize_int_blocks(const void* k, const void* v, int is_bf16, in
 #if !defined(__F16C__)
     if (!compact) return 1;  // float16 metadata without F16C: the torch path quantizes
 #endif
+    if ((bits == 4 && dh % 2) || !rows_in_range(dst, n, dst_rows)) return 1;
     // Compact metadata is exponent-shifted, so any range fits whose max - min is finite.
     if (!all_within(s, n, blk, compact ? 1e38f : 6.0e4f)) return 1;
     #pragma omp parallel if (n * blk >= (1 << 16))
@@ -577,13 +591,13 @@ extern "C" int quantize_int_blocks(const void* k, const void* v, int is_bf16, in
 // fp8 e4m3 with dynamic float32 scales per block and KV head (per_head) or per block, keys
 // centered on their e4m3 per-channel mean over the block's tokens (center).
 extern "C" int quantize_fp8_blocks(const void* k, const void* v, int is_bf16, int64_t n, const int64_t* src,
-                                   int64_t src_stride, const int64_t* dst, int bs, int hkv, int dh, int per_head,
+                                   int64_t src_stride, const int64_t* dst, int64_t dst_rows, int bs, int hkv, int dh, int per_head,
                                    int center, uint8_t* k_codes, float* k_scale, uint8_t* k_mean, uint8_t* v_codes,
                                    float* v_scale) {
     const Source s{k, v, is_bf16, src, src_stride};
     const Fp8Layout L{bs, hkv, dh, per_head, center, k_codes, k_scale, k_mean, v_codes, v_scale};
     const int64_t tok = (int64_t)hkv * dh;
-    if (!all_within(s, n, bs * tok, FLT_MAX)) return 1;
+    if (!rows_in_range(dst, n, dst_rows) || !all_within(s, n, bs * tok, FLT_MAX)) return 1;
     #pragma omp parallel if (n * bs * tok >= (1 << 16))
     {
         std::vector<float> mean((size_t)tok);
