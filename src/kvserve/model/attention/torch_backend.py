@@ -227,7 +227,7 @@ class TorchAttentionBackend(AttentionBackend):
         """Decodes in shared-prefix groups are staged with the prompt chunks: the bf16 kernel then
         attends to the shared blocks once for the whole group (cascade), where the codes kernel
         would read them once per sequence. At 64 decodes over a shared 1,024-token prefix, int8:
-        attention 48 ms per step over the codes against ~17 staged with cascade (bench/NOTES.md,
+        attention 48 ms per step over the codes against ~24 staged with cascade (bench/NOTES.md,
         session 10). The other decodes go over the codes."""
         if "codes_split" not in meta.backend_state:
             prefills = np.asarray(meta.prefill_seq_ids, dtype=np.int64)
