@@ -141,16 +141,24 @@ struct IntLayout {
     void *k_codes, *k_scale, *k_zero, *k_exp, *v_codes, *v_scale, *v_zero, *v_exp;
 };
 
-// quant.quantize_groups' compact exponent: ceil(log2(max|x| / 448)) in [-100, 126], 0 for zeros,
-// taken exactly from frexp (a float log2 can land on the wrong side of a power of two).
-inline int block_exponent(const void* x, int64_t base, int64_t blk, int is_bf16) {
+inline float block_abs_max(const void* x, int64_t base, int64_t blk, int is_bf16) {
     float row_max = 0.f;
     for (int64_t j = 0; j < blk; ++j) row_max = fmaxf(row_max, fabsf(load_x(x, base + j, is_bf16)));
-    if (!(row_max > 0.f)) return 0;
-    int e;
-    const float m = frexpf(row_max / 448.f, &e);
-    if (m == 0.5f) --e;  // an exact power of two
-    return e < -100 ? -100 : (e > 126 ? 126 : e);
+    return row_max;
+}
+
+// quant.quantize_groups' compact exponent from a block's max |x|: e = ceil(log2(max / 448)) in
+// [-100, 126], 0 for zeros, taken exactly from frexp (a float log2 can land on the wrong side of a
+// power of two). Stored at exp[d]; returns the factor 2^-e the block is scaled by.
+inline float compact_factor(float row_max, void* exp, int64_t d) {
+    int e = 0;
+    if (row_max > 0.f) {
+        const float m = frexpf(row_max / 448.f, &e);
+        if (m == 0.5f) --e;  // an exact power of two
+        e = e < -100 ? -100 : (e > 126 ? 126 : e);
+    }
+    ((int8_t*)exp)[d] = (int8_t)e;
+    return ldexpf(1.f, -e);
 }
 
 // One group of g values x[base + j * stride] * factor: codes to q[qb + j * qstride], its metadata
@@ -206,12 +214,7 @@ void int_block(const Source& s, int64_t i, int64_t d, const IntLayout& L, uint8_
     using T = typename M::T;
     const int64_t tok = (int64_t)L.hkv * L.dh, blk = (int64_t)L.bs * tok, base = s.at(i);
     const int64_t packed = blk * L.bits / 8;
-    float factor = 1.f;
-    if (L.compact) {
-        const int e = block_exponent(s.k, base, blk, s.is_bf16);
-        ((int8_t*)L.k_exp)[d] = (int8_t)e;
-        factor = ldexpf(1.f, -e);
-    }
+    float factor = L.compact ? compact_factor(block_abs_max(s.k, base, blk, s.is_bf16), L.k_exp, d) : 1.f;
     const int64_t k_meta = (int64_t)(L.bs / L.gt) * tok;
     for (int tg = 0; tg < L.bs / L.gt; ++tg)
         for (int64_t hd = 0; hd < tok; ++hd)
@@ -220,12 +223,7 @@ void int_block(const Source& s, int64_t i, int64_t d, const IntLayout& L, uint8_
                          d * k_meta + tg * tok + hd);
     put_codes(codes, blk, L.bits, (uint8_t*)L.k_codes + d * packed);
 
-    factor = 1.f;
-    if (L.compact) {
-        const int e = block_exponent(s.v, base, blk, s.is_bf16);
-        ((int8_t*)L.v_exp)[d] = (int8_t)e;
-        factor = ldexpf(1.f, -e);
-    }
+    factor = L.compact ? compact_factor(block_abs_max(s.v, base, blk, s.is_bf16), L.v_exp, d) : 1.f;
     const int per_head = L.dh / L.gd;
     const int64_t v_meta = (int64_t)L.bs * L.hkv * per_head;
     for (int t = 0; t < L.bs; ++t)
@@ -329,15 +327,10 @@ inline void pack_int4(const uint8_t* codes, int64_t n, uint8_t* out) {
     }
 }
 
-inline int block_exponent16(const void* x, int64_t base, int64_t blk, int is_bf16) {
+inline float block_abs_max16(const void* x, int64_t base, int64_t blk, int is_bf16) {
     __m512 mx = _mm512_setzero_ps();
     for (int64_t j = 0; j < blk; j += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, base + j, is_bf16)));
-    const float row_max = _mm512_reduce_max_ps(mx);
-    if (!(row_max > 0.f)) return 0;
-    int e;
-    const float m = frexpf(row_max / 448.f, &e);
-    if (m == 0.5f) --e;
-    return e < -100 ? -100 : (e > 126 ? 126 : e);
+    return _mm512_reduce_max_ps(mx);
 }
 
 // int_block, 16 lanes at a time: keys with the lanes on 16 channels, values with a group's
@@ -350,12 +343,7 @@ bool int_block_vector(const Source& s, int64_t i, int64_t d, const IntLayout& L,
     if (tok % 16 || L.gd % 16 || (L.bits == 4 && blk % 64)) return false;
     const float qmax = (float)((1 << L.bits) - 1), half = (float)(1 << (L.bits - 1));
     const int64_t packed = blk * L.bits / 8;
-    float factor = 1.f;
-    if (L.compact) {
-        const int e = block_exponent16(s.k, base, blk, s.is_bf16);
-        ((int8_t*)L.k_exp)[d] = (int8_t)e;
-        factor = ldexpf(1.f, -e);
-    }
+    float factor = L.compact ? compact_factor(block_abs_max16(s.k, base, blk, s.is_bf16), L.k_exp, d) : 1.f;
     __m512 f = _mm512_set1_ps(factor);
     uint8_t* kc = L.bits == 8 ? (uint8_t*)L.k_codes + d * packed : codes;
     const int64_t k_meta = (int64_t)(L.bs / L.gt) * tok;
@@ -386,12 +374,7 @@ bool int_block_vector(const Source& s, int64_t i, int64_t d, const IntLayout& L,
     }
     if (L.bits == 4) pack_int4(codes, blk, (uint8_t*)L.k_codes + d * packed);
 
-    factor = 1.f;
-    if (L.compact) {
-        const int e = block_exponent16(s.v, base, blk, s.is_bf16);
-        ((int8_t*)L.v_exp)[d] = (int8_t)e;
-        factor = ldexpf(1.f, -e);
-    }
+    factor = L.compact ? compact_factor(block_abs_max16(s.v, base, blk, s.is_bf16), L.v_exp, d) : 1.f;
     f = _mm512_set1_ps(factor);
     uint8_t* vc = L.bits == 8 ? (uint8_t*)L.v_codes + d * packed : codes;
     const int per_head = L.dh / L.gd;
