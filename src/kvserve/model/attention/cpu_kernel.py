@@ -42,10 +42,10 @@ DISABLE_ENV = "KVSERVE_CPU_KERNEL"  # "0" turns the compiled kernel off
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # One library for every compiled CPU op: the attention kernels here and the decoder's bf16
-# elementwise steps (model/csrc, called from model/fused.py).
+# elementwise steps and projections (model/csrc, called from model/fused.py and model/linear.py).
 _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "stage_quantized.cpp",
             CSRC / "decode_quantized.cpp", CSRC / "quantize_blocks.cpp",
-            CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp")
+            CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp", CSRC.parents[1] / "csrc" / "gemm_bf16.cpp")
 # Part of the cache key, not compiled alone.
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC / "quant_fields.h")
 
@@ -190,6 +190,11 @@ def load_library() -> ctypes.CDLL | None:
                 getattr(lib, name).argtypes = argtypes
                 getattr(lib, name).restype = None
             lib.elementwise_bf16_available.restype = ctypes.c_int
+            lib.gemm_bf16_pack.argtypes = [_P, _I64, _I64, _P]  # W, N, K, packed
+            lib.gemm_bf16_pack.restype = None
+            lib.gemm_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P]  # x, M, K, packed, N, y
+            lib.gemm_bf16.restype = None
+            lib.gemm_bf16_available.restype = ctypes.c_int
             _lib = lib
         except Exception as e:  # any build or load failure: fall back, say why once
             log.warning("paged decode kernel unavailable, using the pure-torch path: %s", e)
@@ -258,6 +263,20 @@ def elementwise_kernels():
     if lib is None or not lib.elementwise_bf16_available():
         return None
     return lib.add_rms_norm_bf16, lib.rope_bf16, lib.silu_mul_bf16
+
+
+class GemmBf16(NamedTuple):
+    """model/csrc/gemm_bf16.cpp: bf16 projections through AVX512-BF16 dot products."""
+    pack: ctypes._CFuncPtr  # (W [N, K], N, K, packed) -> the weight in the kernel's layout
+    gemm: ctypes._CFuncPtr  # (x [M, K], M, K, packed, N, y [M, N])
+
+
+def gemm_bf16_kernels() -> GemmBf16 | None:
+    """The bf16 projection kernel where this CPU has AVX512-BF16, else None."""
+    lib = load_library()
+    if lib is None or not lib.gemm_bf16_available():
+        return None
+    return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16)
 
 
 def varlen_kernel_for(dtype: torch.dtype, head_dim: int, device: torch.device):

@@ -1,0 +1,57 @@
+"""The bf16 projection kernel (model/csrc/gemm_bf16.cpp) behind `Linear`, against float32 products.
+
+It accumulates in float32 like oneDNN, in another order, so results equal oneDNN's but for the
+last bit of a few elements: each output must be the float32 product rounded to bf16, within one
+bf16 step (2^-8 relative) plus the float32 accumulation's own error."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention.cpu_kernel import gemm_bf16_kernels
+from kvserve.model.linear import Linear
+
+gemm = pytest.mark.skipif(gemm_bf16_kernels() is None, reason="no AVX512-BF16 (or no compiler): oneDNN runs")
+
+
+@gemm
+@pytest.mark.parametrize("n,k", [(64, 2), (960, 576), (576, 1536), (3072, 576), (128, 30)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 130])
+def test_gemm_matches_the_float32_product_within_a_bf16_step(n, k, rows):
+    g = torch.Generator().manual_seed(n + k + rows)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    lin = Linear(w)
+    assert lin.gemm is not None and lin.weight is None
+    ref = x.double() @ w.double().t()
+    got = lin(x).double()
+    bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().t()) * 2.0 ** -20
+    assert bool(((got - ref).abs() <= bound).all()), float((got - ref).abs().max())
+    one = F.linear(x, w).double()  # oneDNN, within the same bound of the exact product
+    assert bool(((got - one).abs() <= 2 * bound).all())
+
+
+@gemm
+def test_gemm_takes_views_batched_inputs_and_empty_batches():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(192, 64, generator=g) * 0.1).bfloat16()
+    lin = Linear(w)
+    big = torch.randn(4, 3, 65, generator=g).bfloat16()
+    x = big[..., 1:]  # not contiguous, odd element offset: copied into rows first
+    got = lin(x)
+    assert got.shape == (4, 3, 192)
+    torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=2e-2, rtol=2 ** -7)
+    assert lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 192)
+    with pytest.raises(TypeError, match="bf16 inputs of 64 features"):
+        lin(torch.randn(2, 64))
+
+
+def test_shapes_the_kernel_does_not_take_go_to_onednn_or_torch():
+    w = torch.randn(100, 64).bfloat16()  # 100 columns: not a multiple of 64
+    cases = [(Linear(w), torch.bfloat16),
+             (Linear(torch.randn(128, 64).bfloat16(), torch.randn(128).bfloat16()), torch.bfloat16),  # a bias
+             (Linear(torch.randn(128, 64)), torch.float32)]
+    for lin, dtype in cases:
+        assert lin.gemm is None
+        assert lin(torch.randn(3, 64).to(dtype)).shape == (3, lin.out_features)
