@@ -307,7 +307,7 @@ def test_int_without_residual_quantizes_each_token_when_written(dt):
     assert torch.equal(g3[:2], gk[8:10])
 
 
-def test_residual_pool_eviction_reopen_and_exhaustion():
+def test_residual_pool_eviction_reopen_and_growth():
     bs = 8
     c = IntPagedKVCache(TINY, num_blocks=16, block_size=bs, dtype=torch.float32,
                         kv_cache_dtype="int8", num_residual_blocks=2)
@@ -330,8 +330,11 @@ def test_residual_pool_eviction_reopen_and_exhaustion():
         step_v = (v.amax(2, keepdim=True) - v.amin(2, keepdim=True)) / 255
         assert bool(((gv[:12] - v).abs() <= bs * step_v * 0.5 * 1.01 + 1e-6).all())
     assert c.residual_evictions > 0
-    with pytest.raises(RuntimeError, match=r"num_residual_blocks >= residual_blocks_for\(max_num_seqs\)"):
-        c.write(0, torch.tensor([13 * bs, 14 * bs, 15 * bs]), torch.zeros(3, 2, 16), torch.zeros(3, 2, 16))
+    # More open blocks in one write than the pool has entries: the pool grows (it used to fail).
+    entries = c.num_residual_blocks
+    c.write(0, torch.tensor([13 * bs, 14 * bs, 15 * bs]), torch.ones(3, 2, 16), torch.ones(3, 2, 16))
+    assert c.num_residual_blocks > entries
+    assert torch.equal(c.gather(0, torch.tensor([13, 14, 15]))[0][::bs], torch.ones(3, 2, 16))
 
 
 @pytest.mark.parametrize("dt", ["fp8", "int4"])
@@ -528,6 +531,28 @@ def test_compiled_residual_write_leaves_the_cache_as_the_torch_ops_do(dt, dtype,
     for name in ("res_kv", "res_mask", "res_owner", "res_clock", "block_res", "sealed_fill"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert a._clock == b._clock and a.residual_evictions == b.residual_evictions > 0
+
+
+@pytest.mark.parametrize("dt", ["int8", "fp8", "int4"])
+def test_a_write_opening_more_blocks_than_the_residual_pool_holds_grows_it(dt):
+    """Four prompt chunks that each start and end inside a block open eight blocks in one write;
+    a pool of 2 entries grows (all layers, indices kept) instead of failing the step, and every
+    token reads back as written."""
+    bs = 8
+    c = create_kv_cache(TINY, num_blocks=32, block_size=bs, kv_cache_dtype=dt, dtype=torch.float32,
+                        num_residual_blocks=2, seal_at_step_end=True)
+    ref = create_kv_cache(TINY, num_blocks=32, block_size=bs, kv_cache_dtype="auto", dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    slots = torch.cat([torch.arange(b * bs + 3, b * bs + bs + 5) for b in (2, 6, 12, 20)])  # 4 x 10 tokens
+    k, v = torch.randn(slots.numel(), 2, 16, generator=g), torch.randn(slots.numel(), 2, 16, generator=g)
+    for layer in range(TINY.num_hidden_layers):
+        c.write(layer, slots, k, v)
+        ref.write(layer, slots, k, v)
+    assert c.num_residual_blocks >= 8 and c.residual_generation >= 1
+    for layer in range(TINY.num_hidden_layers):  # open blocks: read from the residual, exact
+        ids = torch.tensor([2, 3, 6, 7, 12, 13, 20, 21])
+        assert torch.equal(c.gather(layer, ids)[0], ref.gather(layer, ids)[0])
+    c.finish_step()
 
 
 def test_a_slot_out_of_range_is_an_index_error_not_a_stray_write():

@@ -26,6 +26,7 @@ quantized per token like values) need no residual: every token is quantized when
 """
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple, Sequence
 
 import torch
@@ -34,6 +35,8 @@ from kvserve.config import ConfigError, ModelConfig
 from kvserve.engine.scheduler_output import BlockCopy
 from kvserve.kv import quant
 from kvserve.model.kv_cache import KVCache, _copy_slot_indices
+
+log = logging.getLogger(__name__)
 
 def residual_blocks_for(max_num_seqs: int) -> int:
     """Residual entries one step's write can need at once: an open block per running sequence,
@@ -156,6 +159,7 @@ class QuantizedKVCache(KVCache):
         self.sealed_fill = torch.zeros(L, num_blocks, dtype=torch.int16, device=dev)
         self._clock = [0] * L
         self.residual_evictions = 0  # open blocks quantized early because the pool was full
+        self.residual_generation = 0  # bumped when the pool grows (its tensors are reallocated)
         self._row_write = None  # the compiled residual write (CPU), looked up on first use
 
     def _add_field(self, name: str, per_block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -425,6 +429,29 @@ class QuantizedKVCache(KVCache):
         self.res_owner[layer, entries] = -1
         return True
 
+    def _grow_residual(self, extra: int) -> None:
+        """Add `extra` entries (rounded up to 8) to every layer's residual pool. The pool is sized
+        for one open block per running sequence plus one (residual_blocks_for), but a step whose
+        prompt chunks start mid-block (a prefix-cache hit that ends inside a block, copied on
+        write) and end mid-block opens two blocks per chunk: four such prompts at --max-num-seqs 4
+        needed 8 entries of 5 and failed the step (found in session 10). Growing costs memory
+        beyond the planned KV budget, so it is logged; existing entries keep their indices, and
+        kernels that cached the pool's address see `residual_generation` change."""
+        extra = -(-extra // 8) * 8
+        L, dev = self.num_layers, self.device
+        rest = self.res_kv.shape[2:]
+        self.res_kv = torch.cat([self.res_kv, torch.zeros(L, extra, *rest, dtype=self.res_kv.dtype, device=dev)], 1)
+        self.res_mask = torch.cat([self.res_mask, torch.zeros(L, extra, self.block_size, dtype=torch.bool,
+                                                             device=dev)], 1)
+        self.res_owner = torch.cat([self.res_owner, torch.full((L, extra), -1, dtype=torch.long, device=dev)], 1)
+        self.res_clock = torch.cat([self.res_clock, torch.zeros(L, extra, dtype=torch.long, device=dev)], 1)
+        self.num_residual_blocks += extra
+        self.residual_generation += 1
+        log.warning("KV residual pool grown by %d entries to %d (+%.1f MiB beyond the KV budget): one step's "
+                    "writes left more blocks partly filled than the pool held (prompt chunks starting and "
+                    "ending mid-block)", extra, self.num_residual_blocks,
+                    extra * self.res_kv[0, 0].numel() * self.res_kv.element_size() * L / 2**20)
+
     def _allocate(self, layer: int, blocks: torch.Tensor, busy: torch.Tensor) -> torch.Tensor:
         """Residual entries for `blocks` (not yet in the pool); evicts LRU entries not in `busy`."""
         free = (self.res_owner[layer] < 0).nonzero().flatten()
@@ -440,15 +467,15 @@ class QuantizedKVCache(KVCache):
             owners = self.res_owner[layer]
             evictable = (owners >= 0) & ~torch.isin(owners, busy)
             cand = evictable.nonzero().flatten()
-            if cand.numel() < need:
-                raise RuntimeError(
-                    f"KV residual pool exhausted: one write needs {blocks.numel()} open blocks but the "
-                    f"pool has {self.num_residual_blocks} entries; build the cache with "
-                    f"num_residual_blocks >= residual_blocks_for(max_num_seqs) (or lower --max-num-seqs)")
-            victims = cand[self.res_clock[layer, cand].argsort()[:need]]
-            self._seal(layer, victims)
-            self.residual_evictions += int(victims.numel())
-            free = (self.res_owner[layer] < 0).nonzero().flatten()
+            if cand.numel() < need:  # every entry is busy in this very write: more entries, not a failed step
+                self._grow_residual(need - cand.numel())
+                free = (self.res_owner[layer] < 0).nonzero().flatten()
+                need = blocks.numel() - free.numel()
+            if need > 0:
+                victims = cand[self.res_clock[layer, cand].argsort()[:need]]
+                self._seal(layer, victims)
+                self.residual_evictions += int(victims.numel())
+                free = (self.res_owner[layer] < 0).nonzero().flatten()
         e = free[:blocks.numel()]
         self.res_owner[layer, e] = blocks
         self.block_res[layer, blocks] = e

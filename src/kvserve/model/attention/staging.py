@@ -96,15 +96,18 @@ def step_token_slots(tables: np.ndarray, start_pos: np.ndarray, query_lens: np.n
 class CacheDescription:
     """A quantized cache's layers as the compiled kernels take them (csrc/quant_fields.h): K and V
     `QFieldC`, and the bf16 residual pool's rows and entry-per-block pointers (None without one).
-    Built once per layer: the cache's tensors persist, and only their contents change."""
+    Built once per layer: the cache's tensors persist and only their contents change, but for the
+    residual pool, which a rare step grows (`residual_generation`)."""
 
     def __init__(self) -> None:
         self._cache = None
+        self._generation = 0
         self._layers: dict[int, tuple] = {}
 
     def layer(self, kv_cache, layer: int) -> tuple[QFieldC, QFieldC, int | None, int | None]:
-        if kv_cache is not self._cache:
-            self._cache, self._layers = kv_cache, {}
+        generation = getattr(kv_cache, "residual_generation", 0)  # the residual pool was reallocated
+        if kv_cache is not self._cache or generation != self._generation:
+            self._cache, self._generation, self._layers = kv_cache, generation, {}
         if layer not in self._layers:
             kf, vf = kv_cache.dequant_fields(layer)
             res = kv_cache.residual(layer)
