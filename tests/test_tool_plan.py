@@ -221,6 +221,22 @@ def test_cli_strict_fails_when_max_model_len_cannot_fit(capsys):
     assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB", "--strict", "--max-model-len", "4544"]) == 0
 
 
+def test_quantized_caches_name_their_residual_pool_when_it_outweighs_the_saving(capsys):
+    """A quantized cache's full-precision residual pool (one open block per --max-num-seqs) comes off
+    the budget first: at 100 MiB it leaves int8 fewer tokens than auto, which plan says, with the
+    fix (lower --max-num-seqs), instead of advising the quantized dtype already chosen."""
+    assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "64MiB", "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "residual pool takes 90.47 MiB" in out and "lower --max-num-seqs" in out
+    assert "use --kv-cache-dtype fp8/int8/int4" not in out
+    assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB", "--kv-cache-dtype", "int8",
+                           "--max-model-len", "512"]) == 0
+    assert "holds 720 tokens in this budget, fewer than auto's 4544" in capsys.readouterr().out
+    assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB", "--kv-cache-dtype", "int8",
+                           "--max-model-len", "512", "--max-num-seqs", "8"]) == 0
+    assert "fewer than auto" not in capsys.readouterr().out  # 9 entries: 3 MiB
+
+
 @pytest.mark.parametrize("argv, message", [
     (["Llama-9-1T"], "neither an existing path"),
     (["Llama-3.1-8B", "--gpu-memory", "80"], "e.g. 80GiB"),

@@ -116,3 +116,13 @@ def test_generation_config_folder_without_the_file_is_refused(tmp_path):
     from kvserve.config import ConfigError, EngineArgs
     with pytest.raises(ConfigError, match="a folder holding a generation_config.json; '.*' has none"):
         EngineArgs(generation_config=str(tmp_path)).validate()
+
+
+def test_a_quantized_cache_that_holds_less_than_auto_says_so_at_startup(caplog):
+    """The residual pool of a quantized cache is taken off --kv-cache-memory first (one open block per
+    --max-num-seqs); where that leaves fewer tokens than a full-precision cache, startup warns."""
+    with caplog.at_level("INFO", logger="kvserve.engine.setup"):
+        LLM(None, kv_cache_dtype="int8", kv_cache_memory=100 * 2**20, max_model_len=512)
+    text = caplog.text
+    assert "residual pool" in text and "takes 90.5 MiB" in text
+    assert "holds 720 tokens in this budget, fewer than auto's 4544" in text and "lower --max-num-seqs" in text

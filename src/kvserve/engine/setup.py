@@ -146,11 +146,32 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
                 budget.num_blocks, args.block_size, budget.num_tokens,
                 budget.num_blocks * bpb / 2**20, bpb, args.kv_cache_dtype, budget.max_model_len,
                 budget.max_concurrency)
+    _log_residual_pool(args, cfg, dtype, budget)
     fingerprint = None
     if args.has_kv_tiers:
         from kvserve.engine.kv_transfer import engine_fingerprint
         fingerprint = engine_fingerprint(args, cfg, loaded.weights, dtype, runner.kv_cache)
     return EngineSetup(cfg, tokenizer, runner, budget, fingerprint)
+
+
+def _log_residual_pool(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, budget: KVBudget) -> None:
+    """Where a quantized cache's budget went besides its blocks, and a warning when the result
+    holds fewer tokens than a full-precision cache would in the same budget."""
+    from kvserve.model.kv_cache import kv_cache_bytes_per_block, kv_cache_reserved_bytes
+
+    reserved = kv_cache_reserved_bytes(cfg, args.block_size, args.kv_cache_dtype, dtype, args.max_num_seqs)
+    if not reserved:
+        return
+    logger.info("KV cache: the %s cache's full-precision residual pool (one open block per sequence of "
+                "--max-num-seqs %d, plus one) takes %.1f MiB besides the blocks", args.kv_cache_dtype,
+                args.max_num_seqs, reserved / 2**20)
+    if args.num_gpu_blocks_override is None:
+        auto_tokens = budget.kv_cache_memory // kv_cache_bytes_per_block(cfg, args.block_size, "auto", dtype) * args.block_size
+        if budget.num_tokens < auto_tokens:
+            logger.warning("--kv-cache-dtype %s holds %d tokens in this budget, fewer than auto's %d: its "
+                           "residual pool outweighs what quantization saves at this size; raise "
+                           "--kv-cache-memory or lower --max-num-seqs", args.kv_cache_dtype,
+                           budget.num_tokens, auto_tokens)
 
 
 def _kv_cache_options(args: EngineArgs, cfg: ModelConfig, weights: dict) -> dict:

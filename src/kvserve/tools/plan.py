@@ -107,6 +107,7 @@ class KVPlan:
     max_fitting_len: int     # longest single request the pool can hold
     mean_context_len: int | None = None
     max_concurrency_at_mean: float | None = None
+    reserved_bytes: int = 0  # a quantized cache's full-precision residual pool, taken off the budget first
 
 
 def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv_cache_dtype: str = "auto",
@@ -141,7 +142,7 @@ def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv
         num_blocks=num_blocks, num_tokens=num_blocks * block_size,
         max_concurrency=num_blocks / blocks_per_request, fits=num_blocks >= blocks_per_request,
         max_fitting_len=num_blocks * block_size, mean_context_len=mean_context_len,
-        max_concurrency_at_mean=at_mean)
+        max_concurrency_at_mean=at_mean, reserved_bytes=reserved)
 
 
 @dataclass
@@ -299,13 +300,23 @@ def build_plan_report(args: argparse.Namespace) -> PlanReport:
                         num_hidden_layers=cfg.num_hidden_layers, num_key_value_heads=cfg.num_key_value_heads,
                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
                         budget=budget, plan=plan, table=table)
+    residual = (f" (the {args.kv_cache_dtype} cache's full-precision residual pool takes "
+                f"{fmt_bytes(plan.reserved_bytes)} of the budget first, one open block per sequence of "
+                f"--max-num-seqs {args.max_num_seqs})" if plan.reserved_bytes else "")
     if not plan.fits:
         report.fatal = True
+        fixes = ("lower --max-num-seqs" if plan.reserved_bytes else "use --kv-cache-dtype fp8/int8/int4")
         report.warnings.append(
             f"--max-model-len {plan.max_model_len} does not fit: one such request needs {plan.blocks_per_request} "
-            f"blocks ({fmt_bytes(plan.bytes_per_request)}) but only {plan.num_blocks} fit; the largest length "
-            f"that fits is {plan.max_fitting_len} tokens. Lower --max-model-len, give the cache more memory, "
-            "use --kv-cache-dtype fp8/int8/int4, or raise --tensor-parallel-size")
+            f"blocks ({fmt_bytes(plan.bytes_per_request)}) but only {plan.num_blocks} fit{residual}; the largest "
+            f"length that fits is {plan.max_fitting_len} tokens. Lower --max-model-len, give the cache more memory, "
+            f"{fixes}, or raise --tensor-parallel-size")
+    auto_tokens = next((row.num_tokens for row in table if row.kv_cache_dtype == "auto"), None)
+    if plan.reserved_bytes and auto_tokens is not None and plan.num_tokens < auto_tokens:
+        report.warnings.append(
+            f"--kv-cache-dtype {args.kv_cache_dtype} holds {plan.num_tokens} tokens in this budget, fewer than "
+            f"auto's {auto_tokens}{residual}; raise --kv-cache-memory or lower --max-num-seqs for "
+            f"quantization to pay off")
     if plan.max_model_len > cfg.max_position_embeddings:
         report.warnings.append(f"--max-model-len {plan.max_model_len} exceeds the model's max_position_embeddings "
                                f"({cfg.max_position_embeddings}); the engine will refuse it")
