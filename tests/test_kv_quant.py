@@ -163,7 +163,7 @@ def test_quantizer_errors_name_the_setting():
                 quant.quantize_groups(torch.tensor([[1.0, bad, 0.5, 2.0]]), 8, 2, axis=1, compact=compact)
     with pytest.raises(quant.QuantError, match="int4"):
         quant.bytes_per_block_per_layer("int4", 1, 63, 16, 63)
-    with pytest.raises(ConfigError, match="group-size"):
+    with pytest.raises(ConfigError, match="group_size 3 must divide"):
         IntPagedKVCache(TINY, num_blocks=4, block_size=8, dtype=torch.float32, group_size=3)
     odd = ModelConfig("llama", 100, 6, 128, 2, 2, 2, 3, 1024)  # head_dim 3: int4 cannot pack it
     with pytest.raises(ConfigError, match="even head_dim"):

@@ -320,7 +320,7 @@ def effective_group_sizes(group_size: int, block_size: int, head_dim: int) -> KV
     nor a value group its head; the configured size is clipped to both and must divide them."""
     k, v = min(group_size, block_size), min(group_size, head_dim)
     if block_size % k or head_dim % v:
-        raise QuantError(f"--kv-quant-group-size {group_size} must divide block_size ({block_size}) "
+        raise QuantError(f"the int KV cache's group_size {group_size} must divide block_size ({block_size}) "
                          f"and head_dim ({head_dim}) or exceed them; try 16, 32 or 64")
     return KVGroupSizes(k, v)
 
