@@ -43,6 +43,9 @@ def test_gemm_takes_views_batched_inputs_and_empty_batches():
     assert got.shape == (4, 3, 192)
     torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=2e-2, rtol=2 ** -7)
     assert lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 192)
+    wt = (torch.randn(64, 128, generator=g) * 0.1).bfloat16().t()  # a non-contiguous weight is packed from a copy
+    x2 = torch.randn(300, 64, generator=g).bfloat16()  # several 48-row chunks per panel
+    torch.testing.assert_close(Linear(wt)(x2).float(), F.linear(x2, wt).float(), atol=2e-2, rtol=2 ** -7)
     with pytest.raises(TypeError, match="bf16 inputs of 64 features"):
         lin(torch.randn(2, 64))
 

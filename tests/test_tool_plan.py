@@ -222,16 +222,18 @@ def test_cli_strict_fails_when_max_model_len_cannot_fit(capsys):
 
 
 def test_quantized_caches_name_their_residual_pool_when_it_outweighs_the_saving(capsys):
-    """A quantized cache's full-precision residual pool (one open block per --max-num-seqs) comes off
-    the budget first: at 100 MiB it leaves int8 fewer tokens than auto, which plan says, with the
-    fix (lower --max-num-seqs), instead of advising the quantized dtype already chosen."""
+    """A quantized cache's full-precision residual pool (one open block per --max-num-seqs, at most
+    one per block) comes off the budget first: at 100 MiB it leaves int8 fewer tokens than auto,
+    which plan says, with the fix (lower --max-num-seqs), instead of advising the quantized dtype
+    already chosen. Pool and blocks are sized together where the full pool would not leave a block
+    per entry (64 MiB, fp8: 119 blocks and 119 entries, where a 257-entry pool left none)."""
     assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "64MiB", "--kv-cache-dtype", "fp8"]) == 0
     out = capsys.readouterr().out
-    assert "residual pool takes 90.47 MiB" in out and "lower --max-num-seqs" in out
+    assert "only 119 fit" in out and "residual pool takes 41.89 MiB" in out and "lower --max-num-seqs" in out
     assert "use --kv-cache-dtype fp8/int8/int4" not in out
     assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB", "--kv-cache-dtype", "int8",
                            "--max-model-len", "512"]) == 0
-    assert "holds 720 tokens in this budget, fewer than auto's 4544" in capsys.readouterr().out
+    assert "holds 2848 tokens in this budget, fewer than auto's 4544" in capsys.readouterr().out
     assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB", "--kv-cache-dtype", "int8",
                            "--max-model-len", "512", "--max-num-seqs", "8"]) == 0
     assert "fewer than auto" not in capsys.readouterr().out  # 9 entries: 3 MiB

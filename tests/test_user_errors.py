@@ -124,5 +124,5 @@ def test_a_quantized_cache_that_holds_less_than_auto_says_so_at_startup(caplog):
     with caplog.at_level("INFO", logger="kvserve.engine.setup"):
         LLM(None, kv_cache_dtype="int8", kv_cache_memory=100 * 2**20, max_model_len=512)
     text = caplog.text
-    assert "residual pool" in text and "takes 90.5 MiB" in text
-    assert "holds 720 tokens in this budget, fewer than auto's 4544" in text and "lower --max-num-seqs" in text
+    assert "residual pool" in text and "takes 62.7 MiB" in text  # 178 entries: one per block
+    assert "holds 2848 tokens in this budget, fewer than auto's 4544" in text and "lower --max-num-seqs" in text

@@ -9,6 +9,8 @@ import torch
 
 from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineArgs, ModelConfig, host_memory
 
+from kvserve.model.kv_cache import blocks_in_budget, kv_cache_bytes_per_block, kv_cache_reserved_bytes
+
 logger = logging.getLogger(__name__)
 
 
@@ -84,7 +86,7 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
         else:
             memory = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
             budget_flag = "--kv-cache-memory"
-        num_blocks = max(0, memory - reserved_bytes) // bytes_per_block
+        num_blocks = blocks_in_budget(memory, bytes_per_block, reserved_bytes, args.max_num_seqs)[0]
         if num_blocks < 1:
             residual = (f" after the quantized cache's full-precision residual pool ({reserved_bytes} "
                         f"bytes: one open block per sequence of --max-num-seqs {args.max_num_seqs})"
@@ -110,13 +112,19 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
 
 
 def kv_budget_for(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  gpu_budget_bytes: int | None = None) -> KVBudget:
-    """The pool the engine builds for these settings (`kvserve plan` reproduces this arithmetic)."""
-    from kvserve.model.kv_cache import kv_cache_bytes_per_block, kv_cache_reserved_bytes
-
+                  gpu_budget_bytes: int | None = None, static_fp8_scales: bool = False) -> KVBudget:
+    """The pool the engine builds for these settings (`kvserve plan` reproduces this arithmetic).
+    `static_fp8_scales`: the checkpoint's scales quantize each token as written, so no residual pool."""
     bpb = kv_cache_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype, dtype)
-    reserved = kv_cache_reserved_bytes(cfg, args.block_size, args.kv_cache_dtype, dtype, args.max_num_seqs)
+    reserved = 0 if static_fp8_scales else kv_cache_reserved_bytes(cfg, args.block_size, args.kv_cache_dtype,
+                                                                   dtype, args.max_num_seqs)
     return size_kv_pool(args, cfg, bpb, device, gpu_budget_bytes, reserved)
+
+
+def _static_fp8_scales(args: EngineArgs, weights: dict) -> bool:
+    """The checkpoint ships vLLM's per-layer k/v scales, which an fp8 cache then uses."""
+    return args.kv_cache_dtype.startswith("fp8") and any(k.endswith(("k_scale", "v_scale", "kv_scale"))
+                                                         for k in weights)
 
 
 def build_engine_parts(args: EngineArgs) -> EngineSetup:
@@ -135,7 +143,8 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     gpu_budget = None
     if device.type == "cuda" and args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
         gpu_budget = _cuda_kv_budget(args, loaded.weights)
-    budget = kv_budget_for(args, cfg, dtype, device, gpu_budget)
+    static_scales = _static_fp8_scales(args, loaded.weights)
+    budget = kv_budget_for(args, cfg, dtype, device, gpu_budget, static_scales)
     bpb = budget.bytes_per_block
     runner = ModelRunner(cfg, loaded.weights, dtype=dtype, device=device, block_size=args.block_size,
                          num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
@@ -146,7 +155,8 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
                 budget.num_blocks, args.block_size, budget.num_tokens,
                 budget.num_blocks * bpb / 2**20, bpb, args.kv_cache_dtype, budget.max_model_len,
                 budget.max_concurrency)
-    _log_residual_pool(args, cfg, dtype, budget)
+    if not static_scales:
+        _log_residual_pool(args, cfg, dtype, budget)
     fingerprint = None
     if args.has_kv_tiers:
         from kvserve.engine.kv_transfer import engine_fingerprint
@@ -157,14 +167,15 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
 def _log_residual_pool(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, budget: KVBudget) -> None:
     """Where a quantized cache's budget went besides its blocks, and a warning when the result
     holds fewer tokens than a full-precision cache would in the same budget."""
-    from kvserve.model.kv_cache import kv_cache_bytes_per_block, kv_cache_reserved_bytes
-
     reserved = kv_cache_reserved_bytes(cfg, args.block_size, args.kv_cache_dtype, dtype, args.max_num_seqs)
     if not reserved:
         return
+    pool = reserved
+    if args.num_gpu_blocks_override is None:
+        pool = blocks_in_budget(budget.kv_cache_memory, budget.bytes_per_block, reserved, args.max_num_seqs)[1]
     logger.info("KV cache: the %s cache's full-precision residual pool (one open block per sequence of "
-                "--max-num-seqs %d, plus one) takes %.1f MiB besides the blocks", args.kv_cache_dtype,
-                args.max_num_seqs, reserved / 2**20)
+                "--max-num-seqs %d, plus one; at most one per block) takes %.1f MiB besides the blocks",
+                args.kv_cache_dtype, args.max_num_seqs, pool / 2**20)
     if args.num_gpu_blocks_override is None:
         auto_tokens = budget.kv_cache_memory // kv_cache_bytes_per_block(cfg, args.block_size, "auto", dtype) * args.block_size
         if budget.num_tokens < auto_tokens:
@@ -181,7 +192,7 @@ def _kv_cache_options(args: EngineArgs, cfg: ModelConfig, weights: dict) -> dict
         return {}
     from kvserve.model.kv_cache_quant import residual_blocks_for
     options: dict = {"num_residual_blocks": residual_blocks_for(args.max_num_seqs), "seal_at_step_end": True}
-    if args.kv_cache_dtype.startswith("fp8") and any(k.endswith(("k_scale", "v_scale", "kv_scale")) for k in weights):
+    if _static_fp8_scales(args, weights):
         from kvserve.kv.quant import KVScales
         options["kv_scales"] = KVScales.from_weights(weights, cfg.num_hidden_layers)
         logger.info("fp8 KV cache: using the checkpoint's static k/v scales")

@@ -12,9 +12,9 @@ slot is written it is quantized once, with statistics over all its tokens, and i
 entry is released. Residual entries are reclaimed least-recently-written first; an evicted
 partial block is quantized as it stands (its unwritten slots padded with the channel mean so
 they do not widen any group) and brought back to the residual if it is written again.
-The residual is a fixed pool (`num_residual_blocks`, `residual_blocks_for(max_num_seqs)`: one
-open block per running sequence and one more, see there); its bytes are `residual_bytes(...)`,
-outside `bytes_per_block`.
+The residual is a pool sized at start (`num_residual_blocks`, `residual_blocks_for(max_num_seqs)`:
+one open block per running sequence and one more, see there), grown only by a step that needs
+more; its bytes are `residual_bytes(...)`, outside `bytes_per_block`.
 
 `seal_at_step_end` (the engine's setting): a block filled by a write is sealed in `finish_step`,
 for every layer in one quantization call, instead of inside each layer's write (30 small
@@ -39,12 +39,12 @@ from kvserve.model.kv_cache import KVCache, _copy_slot_indices
 log = logging.getLogger(__name__)
 
 def residual_blocks_for(max_num_seqs: int) -> int:
-    """Residual entries one step's write can need at once: an open block per running sequence,
-    plus one for the sequence whose prefill chunk the token budget cut mid-block in the step
-    before (its next chunk starts in that open block and ends in a new one; the scheduler cuts at
-    most one chunk per step, and prefix-cache hits and recomputes resume at block boundaries).
-    With exactly max_num_seqs entries a full batch of decodes beside such a chunk exhausted
-    the pool."""
+    """Residual entries a step's write needs in the common case: an open block per running
+    sequence, plus one for the sequence whose prefill chunk the token budget cut mid-block in the
+    step before (its next chunk starts in that open block and ends in a new one). With exactly
+    max_num_seqs entries a full batch of decodes beside such a chunk exhausted the pool. Prompt
+    chunks that resume inside a block (a prefix hit ending mid-block, copied on write) can open
+    two blocks each; a step that needs more grows the pool (QuantizedKVCache._grow_residual)."""
     return max_num_seqs + 1
 
 

@@ -49,7 +49,8 @@ class Linear:
             kernels = gemm_bf16_kernels()
             if kernels is not None:
                 packed = torch.empty(n * k, dtype=torch.bfloat16)
-                kernels.pack(weight.contiguous().data_ptr(), n, k, packed.data_ptr())
+                w = weight.contiguous()  # held in a name: a temporary's memory is freed before the call
+                kernels.pack(w.data_ptr(), n, k, packed.data_ptr())
                 self.gemm, self.weight = (kernels.gemm, packed), None
                 return
         if pack and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES and _mkldnn_linear_available():

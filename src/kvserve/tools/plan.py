@@ -125,8 +125,9 @@ def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv
     kv_heads = kv_heads_per_gpu(cfg, tensor_parallel_size)
     dtype = normalize_dtype(model_dtype)
     bytes_per_block = kv_bytes_per_block(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size)
+    from kvserve.model.kv_cache import blocks_in_budget
     reserved = kv_reserved_bytes(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size, max_num_seqs)
-    num_blocks = max(0, kv_cache_memory - reserved) // bytes_per_block
+    num_blocks, reserved = blocks_in_budget(kv_cache_memory, bytes_per_block, reserved, max_num_seqs)
     blocks_per_request = -(-max_model_len // block_size)
     at_mean = None
     if mean_context_len is not None:
@@ -305,7 +306,10 @@ def build_plan_report(args: argparse.Namespace) -> PlanReport:
                 f"--max-num-seqs {args.max_num_seqs})" if plan.reserved_bytes else "")
     if not plan.fits:
         report.fatal = True
-        fixes = ("lower --max-num-seqs" if plan.reserved_bytes else "use --kv-cache-dtype fp8/int8/int4")
+        if plan.reserved_bytes > plan.kv_cache_memory // 10:  # the residual pool is what crowds blocks out
+            fixes = "lower --max-num-seqs"
+        else:
+            fixes = "use --kv-cache-dtype int4" if plan.reserved_bytes else "use --kv-cache-dtype fp8/int8/int4"
         report.warnings.append(
             f"--max-model-len {plan.max_model_len} does not fit: one such request needs {plan.blocks_per_request} "
             f"blocks ({fmt_bytes(plan.bytes_per_request)}) but only {plan.num_blocks} fit{residual}; the largest "

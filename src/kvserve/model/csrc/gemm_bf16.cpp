@@ -31,7 +31,7 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, ui
     const int64_t KP = K / 2;
     const uint16_t* panel = w + (n0 / 16) * KP * 32;
     for (int64_t kp = 0; kp < KP; ++kp) {
-        if (kp < prefetch_lines) _mm_prefetch(prefetch + kp * 64, _MM_HINT_T1);
+        for (int64_t p = kp; p < prefetch_lines; p += KP) _mm_prefetch(prefetch + p * 64, _MM_HINT_T1);
         __m512bh b[NR];
         for (int j = 0; j < NR; ++j) b[j] = (__m512bh)_mm512_loadu_si512(panel + (j * KP + kp) * 32);
         for (int i = 0; i < MR; ++i) {
@@ -65,20 +65,29 @@ extern "C" void gemm_bf16_pack(const uint16_t* W, int64_t N, int64_t K, uint16_t
 // y [M, N] bf16 = x [M, K] bf16 (rows contiguous) times the packed W, transposed.
 extern "C" void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, uint16_t* y) {
     if (M <= 0) return;
-    const int64_t blocks = N / 64, panel_bytes = NR * (K / 2) * 64;
-    const int64_t tiles = M / 6 + (M % 6) / 2 + M % 2;
-    const int64_t per_tile = (panel_bytes / 64 + tiles - 1) / tiles;
-    #pragma omp parallel for schedule(static)
+    // Work items: 64-column panels x chunks of up to 48 rows, so a prompt's rows spread over every
+    // core even where a layer has few panels (576 columns: 9); a thread takes consecutive items,
+    // i.e. the row chunks of one panel in turn, which then stays in its cache.
+    const int64_t blocks = N / 64, panel_bytes = NR * (K / 2) * 64, chunk = 48;
+    const int64_t chunks = (M + chunk - 1) / chunk;
+    #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
-        // The thread's next 64-column panel streams in from DRAM, spread over this panel's tiles,
-        // while this one computes (without it the first tile of each panel waits on DRAM).
-        const char* next = nb + 1 < blocks ? (const char*)packed + (nb + 1) * panel_bytes : nullptr;
-        int64_t m = 0, t = 0;
-        auto at = [&](int64_t i) { return next ? next + i * per_tile * 64 : nullptr; };
-        auto lines = [&](int64_t i) { return next ? std::max<int64_t>(0, std::min(per_tile, panel_bytes / 64 - i * per_tile)) : 0; };
-        for (; m + 6 <= M; m += 6, ++t) tile<6>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
-        for (; m + 2 <= M; m += 2, ++t) tile<2>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
-        for (; m < M; ++m, ++t) tile<1>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t m_end = std::min(M, (c + 1) * chunk), rows = m_end - c * chunk;
+            const int64_t tiles = rows / 6 + (rows % 6) / 2 + rows % 2;
+            const int64_t per_tile = (panel_bytes / 64 + tiles - 1) / tiles;
+            // Decode sizes (one chunk): the next panel streams in from DRAM, spread over this
+            // panel's tiles, while this one computes (else each panel's first tile waits on DRAM).
+            const char* next = chunks == 1 && nb + 1 < blocks ? (const char*)packed + (nb + 1) * panel_bytes : nullptr;
+            auto at = [&](int64_t i) { return next ? next + std::min(i * per_tile * 64, panel_bytes) : nullptr; };
+            auto lines = [&](int64_t i) {
+                return next ? std::max<int64_t>(0, std::min(per_tile, panel_bytes / 64 - i * per_tile)) : 0;
+            };
+            int64_t m = c * chunk, t = 0;
+            for (; m + 6 <= m_end; m += 6, ++t) tile<6>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
+            for (; m + 2 <= m_end; m += 2, ++t) tile<2>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
+            for (; m < m_end; ++m, ++t) tile<1>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
+        }
     }
 }
 
