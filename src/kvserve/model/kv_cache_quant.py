@@ -35,6 +35,7 @@ from kvserve.config import ConfigError, ModelConfig
 from kvserve.engine.scheduler_output import BlockCopy
 from kvserve.kv import quant
 from kvserve.model.kv_cache import KVCache, _copy_slot_indices
+from kvserve.model.kv_write_plan import Placement, WritePlan, plan_write
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +89,6 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in quant.FP8_DTYPES.values() else t
 
 
-class _Placement(NamedTuple):  # one write's tokens into whole blocks, or into partly written ones
-    blocks: torch.Tensor  # the blocks
-    rows: torch.Tensor | None  # the write's token rows that go there (None: all of them)
-    index: torch.Tensor  # per token: its block's index in `blocks`
-    offs: torch.Tensor  # per token: its slot in the block
-    fresh: torch.Tensor | None  # per block (partly written): slot 0 written, a new occupant starts it
-    # Whole blocks: the write's row for each slot of blocks x block_size, in order (a row gather
-    # builds them; a scatter into a zeroed buffer cost several times more on CPU).
-    source_rows: torch.Tensor | None = None
-
-
 class BlockSource(NamedTuple):
     """Whole blocks for the compiled quantizers (attention/csrc/quantize_blocks.cpp): block i's K is
     the `[block_size, H, D]` elements at address k + (src[i] if src is given, else i) * stride
@@ -113,12 +103,6 @@ class BlockSource(NamedTuple):
     @property
     def src_ptr(self) -> int | None:
         return None if self.src is None else self.src.data_ptr()
-
-
-class _WritePlan(NamedTuple):
-    blocks: torch.Tensor  # every block the write touches
-    whole: _Placement | None
-    part: _Placement | None
 
 
 class QuantizedKVCache(KVCache):
@@ -138,7 +122,7 @@ class QuantizedKVCache(KVCache):
         self.num_kv_heads, self.head_dim = model_config.num_key_value_heads, model_config.head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.seal_at_step_end = seal_at_step_end
-        self._last_plan: tuple | None = None  # (slots, its version, _WritePlan)
+        self._last_plan: tuple | None = None  # (slots, its version, WritePlan)
         self.fields: dict[str, torch.Tensor] = {}
         self._block_quantizers = None  # the compiled block quantizers (CPU), looked up on first use
         if not self.staged:
@@ -481,7 +465,7 @@ class QuantizedKVCache(KVCache):
         self.block_res[layer, blocks] = e
         return e
 
-    def _write_plan(self, slots: torch.Tensor) -> _WritePlan:
+    def _write_plan(self, slots: torch.Tensor) -> WritePlan:
         """Where `slots`' tokens go, by block (the same for every layer of a step, so worked out
         once: the engine writes each layer with the same slot tensor; `_version` catches a caller
         that edits it in place, where torch tracks it - inference tensors, the runner's, it does
@@ -489,27 +473,7 @@ class QuantizedKVCache(KVCache):
         version = -1 if slots.is_inference() else slots._version
         if self._last_plan is not None and self._last_plan[0] is slots and self._last_plan[1] == version:
             return self._last_plan[2]
-        bs = self.block_size
-        blocks, offs = slots // bs, slots % bs
-        ub, inv = torch.unique(blocks, return_inverse=True)
-        cover = torch.zeros(ub.numel(), bs, dtype=torch.bool, device=self.device)
-        cover[inv, offs] = True
-        whole = cover.all(1)
-        whole_plan = part_plan = None
-        if bool(whole.any()):
-            tok = whole[inv]
-            widx = whole.long().cumsum(0) - 1
-            rows, index, w_offs = tok.nonzero().flatten(), widx[inv[tok]], offs[tok]
-            source = torch.empty(rows.numel(), dtype=torch.long, device=self.device)
-            source[index * bs + w_offs] = rows  # every slot of a whole block is written exactly once
-            whole_plan = _Placement(ub[whole], rows, index, w_offs, None, source)
-        part = ~whole
-        if bool(part.any()):
-            tok = part[inv]
-            pidx = part.long().cumsum(0) - 1
-            rows = None if whole_plan is None else tok.nonzero().flatten()  # None: every token
-            part_plan = _Placement(ub[part], rows, pidx[inv[tok]], offs[tok], cover[part, 0])
-        plan = _WritePlan(ub, whole_plan, part_plan)
+        plan = plan_write(slots, self.block_size)
         self._last_plan = (slots, version, plan)
         return plan
 
@@ -555,7 +519,7 @@ class QuantizedKVCache(KVCache):
         if bool(done.any()):
             self._seal(layer, entry[done], full=True)
 
-    def _write_rows(self, layer: int, part: _Placement, k: torch.Tensor, v: torch.Tensor) -> bool:
+    def _write_rows(self, layer: int, part: Placement, k: torch.Tensor, v: torch.Tensor) -> bool:
         """The compiled residual write: one call instead of the torch ops below, blocks new to the
         pool given free entries as `_allocate` gives them. False, having written nothing, when it
         does not apply (another device or dtype, strided rows) or the Python path must run (a
@@ -581,7 +545,7 @@ class QuantizedKVCache(KVCache):
             self._clock[layer] -= 1
         return rc == 0
 
-    def _row_write_applies(self, part: _Placement, k: torch.Tensor, v: torch.Tensor) -> bool:
+    def _row_write_applies(self, part: Placement, k: torch.Tensor, v: torch.Tensor) -> bool:
         """What the compiled write takes: the pool's dtype, rows of H*D contiguous elements, and
         contiguous int64 / bool placement tensors (it reads them as raw arrays)."""
         index_ok = all(t.dtype == torch.long and t.is_contiguous()
@@ -590,7 +554,7 @@ class QuantizedKVCache(KVCache):
                 and k.dtype == v.dtype == self.res_kv.dtype and k.shape == v.shape
                 and k.stride()[1:] == (self.head_dim, 1) and v.stride()[1:] == (self.head_dim, 1))
 
-    def _write_rows_torch(self, layer: int, entry: torch.Tensor, part: _Placement, k: torch.Tensor,
+    def _write_rows_torch(self, layer: int, entry: torch.Tensor, part: Placement, k: torch.Tensor,
                           v: torch.Tensor) -> None:
         """`_write_rows` in torch ops, `entry` being the blocks' residual entries (all present)."""
         bs = self.block_size
