@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, ConfigError, EngineArgs, ModelConfig, host_memory
-
-from kvserve.model.kv_cache import blocks_in_budget, kv_cache_bytes_per_block, kv_cache_reserved_bytes
+from kvserve.model.kv_cache import (blocks_in_budget, kv_cache_bytes_per_block, kv_cache_reserved_bytes,
+                                    residual_pool_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ class KVBudget:
     kv_cache_memory: int  # bytes given to the pool
     max_model_len: int
     block_size: int
+    residual_bytes: int = 0  # a quantized cache's full-precision residual pool, beside the blocks
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +87,7 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
         else:
             memory = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
             budget_flag = "--kv-cache-memory"
-        num_blocks = blocks_in_budget(memory, bytes_per_block, reserved_bytes, args.max_num_seqs)[0]
+        num_blocks = blocks_in_budget(memory, bytes_per_block, reserved_bytes, args.max_num_seqs)
         if num_blocks < 1:
             residual = (f" after the quantized cache's full-precision residual pool ({reserved_bytes} "
                         f"bytes: one open block per sequence of --max-num-seqs {args.max_num_seqs})"
@@ -108,7 +109,8 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
             f"that can be stored in KV cache ({fits}). Raise --kv-cache-memory (or "
             f"--gpu-memory-utilization on CUDA), use a smaller --kv-cache-dtype, or decrease "
             f"--max-model-len to at most {fits}.")
-    return KVBudget(num_blocks, bytes_per_block, memory, max_model_len, args.block_size)
+    return KVBudget(num_blocks, bytes_per_block, memory, max_model_len, args.block_size,
+                    residual_pool_bytes(reserved_bytes, args.max_num_seqs, num_blocks))
 
 
 def kv_budget_for(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -155,7 +157,7 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
                 budget.num_blocks, args.block_size, budget.num_tokens,
                 budget.num_blocks * bpb / 2**20, bpb, args.kv_cache_dtype, budget.max_model_len,
                 budget.max_concurrency)
-    if not static_scales:
+    if budget.residual_bytes:
         _log_residual_pool(args, cfg, dtype, budget)
     fingerprint = None
     if args.has_kv_tiers:
@@ -167,15 +169,9 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
 def _log_residual_pool(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, budget: KVBudget) -> None:
     """Where a quantized cache's budget went besides its blocks, and a warning when the result
     holds fewer tokens than a full-precision cache would in the same budget."""
-    reserved = kv_cache_reserved_bytes(cfg, args.block_size, args.kv_cache_dtype, dtype, args.max_num_seqs)
-    if not reserved:
-        return
-    pool = reserved
-    if args.num_gpu_blocks_override is None:
-        pool = blocks_in_budget(budget.kv_cache_memory, budget.bytes_per_block, reserved, args.max_num_seqs)[1]
     logger.info("KV cache: the %s cache's full-precision residual pool (one open block per sequence of "
                 "--max-num-seqs %d, plus one; at most one per block) takes %.1f MiB besides the blocks",
-                args.kv_cache_dtype, args.max_num_seqs, pool / 2**20)
+                args.kv_cache_dtype, args.max_num_seqs, budget.residual_bytes / 2**20)
     if args.num_gpu_blocks_override is None:
         auto_tokens = budget.kv_cache_memory // kv_cache_bytes_per_block(cfg, args.block_size, "auto", dtype) * args.block_size
         if budget.num_tokens < auto_tokens:

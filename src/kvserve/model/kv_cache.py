@@ -279,20 +279,27 @@ def kv_cache_reserved_bytes(model_config: ModelConfig, block_size: int, kv_cache
     return residual(model_config, block_size, kv_cache_dtype, model_dtype, residual_blocks_for(max_num_seqs))
 
 
-def blocks_in_budget(memory: int, bytes_per_block: int, reserved_bytes: int, max_num_seqs: int) -> tuple[int, int]:
-    """(blocks, bytes of the residual pool) that `memory` buys, `reserved_bytes` being the full pool
-    of kv_cache_reserved_bytes. The cache gives the pool at most one entry per block, so where the
-    full pool would leave fewer blocks than it has entries, blocks and pool are sized together
+def blocks_in_budget(memory: int, bytes_per_block: int, reserved_bytes: int, max_num_seqs: int) -> int:
+    """Blocks `memory` buys beside a quantized cache's residual pool, `reserved_bytes` being the full
+    pool of kv_cache_reserved_bytes. The cache gives the pool at most one entry per block, so where
+    the full pool would leave fewer blocks than it has entries, blocks and pool are sized together
     (at 100 MiB, int8, SmolLM2: 178 blocks and a 62.7 MiB pool instead of 45 and 90.5)."""
     num_blocks = max(0, memory - reserved_bytes) // bytes_per_block
+    if reserved_bytes:
+        from kvserve.model.kv_cache_quant import residual_blocks_for
+        entries = residual_blocks_for(max_num_seqs)
+        if num_blocks < entries:
+            num_blocks = max(0, memory) // (bytes_per_block + reserved_bytes // entries)
+    return num_blocks
+
+
+def residual_pool_bytes(reserved_bytes: int, max_num_seqs: int, num_blocks: int) -> int:
+    """The pool a cache of `num_blocks` actually builds (one entry per block at most)."""
     if not reserved_bytes:
-        return num_blocks, 0
+        return 0
     from kvserve.model.kv_cache_quant import residual_blocks_for
     entries = residual_blocks_for(max_num_seqs)
-    entry = reserved_bytes // entries
-    if num_blocks < entries:
-        num_blocks = max(0, memory) // (bytes_per_block + entry)
-    return num_blocks, min(entries, num_blocks) * entry
+    return min(entries, num_blocks) * (reserved_bytes // entries)
 
 
 def create_kv_cache(model_config: ModelConfig, *, num_blocks: int, block_size: int,

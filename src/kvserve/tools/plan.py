@@ -107,7 +107,7 @@ class KVPlan:
     max_fitting_len: int     # longest single request the pool can hold
     mean_context_len: int | None = None
     max_concurrency_at_mean: float | None = None
-    reserved_bytes: int = 0  # a quantized cache's full-precision residual pool, taken off the budget first
+    reserved_bytes: int = 0  # the full-precision residual pool a quantized cache builds beside its blocks
 
 
 def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv_cache_dtype: str = "auto",
@@ -125,9 +125,9 @@ def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv
     kv_heads = kv_heads_per_gpu(cfg, tensor_parallel_size)
     dtype = normalize_dtype(model_dtype)
     bytes_per_block = kv_bytes_per_block(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size)
-    from kvserve.model.kv_cache import blocks_in_budget
+    from kvserve.model.kv_cache import blocks_in_budget, residual_pool_bytes
     reserved = kv_reserved_bytes(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size, max_num_seqs)
-    num_blocks, reserved = blocks_in_budget(kv_cache_memory, bytes_per_block, reserved, max_num_seqs)
+    num_blocks = blocks_in_budget(kv_cache_memory, bytes_per_block, reserved, max_num_seqs)
     blocks_per_request = -(-max_model_len // block_size)
     at_mean = None
     if mean_context_len is not None:
@@ -143,7 +143,7 @@ def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv
         num_blocks=num_blocks, num_tokens=num_blocks * block_size,
         max_concurrency=num_blocks / blocks_per_request, fits=num_blocks >= blocks_per_request,
         max_fitting_len=num_blocks * block_size, mean_context_len=mean_context_len,
-        max_concurrency_at_mean=at_mean, reserved_bytes=reserved)
+        max_concurrency_at_mean=at_mean, reserved_bytes=residual_pool_bytes(reserved, max_num_seqs, num_blocks))
 
 
 @dataclass
