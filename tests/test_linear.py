@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention.cpu_kernel import gemm_bf16_kernels
-from kvserve.model.linear import Linear
+from kvserve.model.fused import ElementwiseOps, apply_rope
+from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue
 
 gemm = pytest.mark.skipif(gemm_bf16_kernels() is None, reason="no AVX512-BF16 (or no compiler): oneDNN runs")
 
@@ -58,3 +59,64 @@ def test_shapes_the_kernel_does_not_take_go_to_onednn_or_torch():
     for lin, dtype in cases:
         assert lin.gemm is None
         assert lin(torch.randn(3, 64).to(dtype)).shape == (3, lin.out_features)
+
+
+def test_amx_cpus_keep_onednn(monkeypatch):
+    """With AMX, oneDNN's tile kernels beat VDPBF16PS (about twice its peak): no gemm_bf16 then."""
+    import kvserve.model.linear as linear
+    monkeypatch.setattr(linear, "_has_amx", lambda: True)
+    lin = Linear(torch.randn(128, 64).bfloat16(), epilogue=SILU_MUL)
+    assert lin.gemm is None and lin.epilogue is None  # the caller runs the SiLU pass
+
+
+@gemm
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("inter", [32, 1536])
+def test_silu_epilogue_equals_the_separate_pass(rows, inter):
+    """SiLU(gate) * up fused into the gate/up product: bit-equal to the product followed by the
+    compiled elementwise pass (the same roundings, in the same order)."""
+    g = torch.Generator().manual_seed(rows + inter)
+    w = (torch.randn(2 * inter, 96, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    fused = Linear(w, epilogue=SILU_MUL)
+    assert fused.epilogue == SILU_MUL
+    got = fused(x)
+    assert got.shape == (rows, inter)
+    ops = ElementwiseOps(torch.bfloat16, "cpu")
+    assert torch.equal(got, ops.silu_mul(Linear(w)(x)))
+
+
+@gemm
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 2)])
+@pytest.mark.parametrize("rows", [1, 13, 200])
+def test_rope_epilogue_equals_the_separate_pass(head_dim, heads, kv_heads, rows):
+    """q and k rotated inside the q/k/v product (head_dim 128: a head spans two tiles, the weight
+    rows permuted so each tile holds the pairs it rotates); v untouched; bit-equal to the product
+    followed by the compiled rotary pass."""
+    g = torch.Generator().manual_seed(head_dim + rows)
+    n = (heads + 2 * kv_heads) * head_dim
+    rope_cols = (heads + kv_heads) * head_dim
+    w = (torch.randn(n, 128, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, 128, generator=g).bfloat16()
+    ang = torch.randn(rows, head_dim // 2, generator=g) * 3
+    cos = torch.cat((ang.cos(), ang.cos()), -1).bfloat16()[:, None, :]
+    sin = torch.cat((-ang.sin(), ang.sin()), -1).bfloat16()[:, None, :]
+    fused = Linear(w, epilogue=rope_epilogue(head_dim, rope_cols))
+    assert fused.epilogue is not None
+    got = fused(x, cos, sin)
+    ref = Linear(w)(x)
+    ops = ElementwiseOps(torch.bfloat16, "cpu")
+    ops.rope(ref[:, :rope_cols].view(rows, heads + kv_heads, head_dim), cos, sin)
+    assert torch.equal(got, ref)
+    assert torch.equal(got[:, :rope_cols].view(rows, -1, head_dim),
+                       apply_rope(Linear(w)(x)[:, :rope_cols].view(rows, -1, head_dim), cos, sin))
+    with pytest.raises(ValueError, match="cos and sin_signed"):
+        fused(x)
+
+
+def test_epilogues_that_cannot_apply_are_left_to_the_caller():
+    """An odd head size or an output count the tiles do not divide: no fusion, plain products."""
+    w = torch.randn(3 * 96, 64).bfloat16()
+    assert Linear(w, epilogue=rope_epilogue(96, 192)).epilogue is None
+    assert Linear(torch.randn(96, 64).bfloat16(), epilogue=SILU_MUL).epilogue is None
+    assert Linear(torch.randn(128, 64), epilogue=SILU_MUL).epilogue is None  # float32: torch runs it

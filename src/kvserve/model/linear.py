@@ -1,9 +1,16 @@
 """Linear layers with weights prepacked on CPU (bf16 / fp16).
 
-bf16 without a bias, on CPUs with AVX512-BF16, goes through model/csrc/gemm_bf16.cpp: a
-register-tiled VDPBF16PS loop over the weight packed once into that instruction's operand layout.
-It took 20-35 % less time than oneDNN's packed linear for SmolLM2's projections from 1 to 128
-rows (decode batches) and the same at 2,048 (bench/NOTES.md, session 10).
+bf16 without a bias, on CPUs with AVX512-BF16 but no AMX, goes through model/csrc/gemm_bf16.cpp:
+a register-tiled VDPBF16PS loop over the weight packed once into that instruction's operand
+layout. It took 20-35 % less time than oneDNN's packed linear for SmolLM2's projections from 1 to
+128 rows (decode batches) and the same at 2,048 (bench/NOTES.md, session 10). On CPUs with AMX,
+oneDNN's tile kernels have about twice VDPBF16PS's peak (the issue's Sapphire Rapids: 2.2 TFLOP/s
+bf16 matmul), so oneDNN keeps those.
+
+That kernel can also finish the projection with the elementwise pass that follows it (an
+`Epilogue`): SiLU(gate) * up after the gate/up projection, the rotary embedding of q and k after
+the q/k/v projection. The layer's `epilogue` says whether it does; where it is None the caller
+runs the pass itself (model/fused.py).
 
 Elsewhere, oneDNN with the weight packed once: `F.linear` on a plain bf16 weight makes oneDNN
 reorder the weight into its blocked layout on every call; for decode (a handful of rows) that
@@ -17,6 +24,7 @@ float32 keeps `F.linear` (MKL sgemm): it is the reference dtype, token-exact aga
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +32,44 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Epilogue(NamedTuple):
+    """What gemm_bf16.cpp does to a projection's output before storing it."""
+    kind: int  # 1: SiLU(gate) * up of the two output halves; 2: rotary embedding of q and k
+    head_dim: int = 0  # rope: heads of head_dim columns
+    rope_cols: int = 0  # rope: the leading columns (q then k heads) that are rotated
+
+
+SILU_MUL = Epilogue(1)
+
+
+def rope_epilogue(head_dim: int, rope_cols: int) -> Epilogue:
+    return Epilogue(2, head_dim, rope_cols)
+
+
+def _epilogue_order(epi: Epilogue, n: int) -> torch.Tensor | None:
+    """The permutation of the weight's output rows that puts what one 64-column tile combines
+    together (gemm_bf16.cpp), or None where the epilogue cannot apply to n outputs."""
+    if epi.kind == 1:  # tile p: gate outputs 32p + [0, 32), then the same up outputs
+        i = n // 2
+        if n % 64:
+            return None
+        p = torch.arange(i // 32)[:, None] * 32 + torch.arange(32)
+        return torch.stack((p, p + i), 1).reshape(-1)
+    d, cols = epi.head_dim, epi.rope_cols
+    if d % 64 or cols % d or cols > n or n % 64:
+        return None
+    # tile (head h, i0): d = i0 + [0, 32) then i0 + d/2 + [0, 32); columns past rope_cols in place
+    i0 = torch.arange(0, d // 2, 32)[:, None] + torch.arange(32)  # [d/64, 32]
+    heads = torch.arange(cols // d)[:, None, None] * d
+    rope = torch.stack((heads + i0, heads + i0 + d // 2), 2).reshape(-1)
+    return torch.cat((rope, torch.arange(cols, n)))
+
+
+def _has_amx() -> bool:
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(is_amx and is_amx())
 
 
 def _mkldnn_linear_available() -> bool:
@@ -35,21 +81,28 @@ def _mkldnn_linear_available() -> bool:
 class Linear:
     """y = x W^T (+ b) for a fixed weight `[out, in]`; packs the weight when that pays."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "gemm")
+    __slots__ = ("weight", "bias", "packed", "out_features", "gemm", "epilogue")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
+                 epilogue: Epilogue | None = None) -> None:
+        """`epilogue`: fuse that pass into the product where gemm_bf16.cpp runs this layer (then
+        `self.epilogue` is set and calls return the pass's result), else leave it to the caller."""
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed = None
         self.gemm = None  # (kernel, packed weight) of gemm_bf16.cpp
+        self.epilogue = None
         n, k = weight.shape
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bias is None
-                and n % 64 == 0 and k % 2 == 0):
+                and n % 64 == 0 and k % 2 == 0 and not _has_amx()):
             from kvserve.model.attention.cpu_kernel import gemm_bf16_kernels
             kernels = gemm_bf16_kernels()
             if kernels is not None:
+                order = _epilogue_order(epilogue, n) if epilogue is not None else None
+                self.epilogue = epilogue if order is not None else None
                 packed = torch.empty(n * k, dtype=torch.bfloat16)
-                w = weight.contiguous()  # held in a name: a temporary's memory is freed before the call
+                # held in a name: a temporary's memory is freed before the call
+                w = (weight if order is None else weight[order]).contiguous()
                 kernels.pack(w.data_ptr(), n, k, packed.data_ptr())
                 self.gemm, self.weight = (kernels.gemm, packed), None
                 return
@@ -64,7 +117,10 @@ class Linear:
         # The plain weight is dropped once packed: the packed copy is the only one read.
         self.weight = weight if self.packed is None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor | None = None,
+                 sin_signed: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b); with a SiLU epilogue, SiLU(gate) * up `[..., out / 2]`; with a rotary one,
+        q and k rotated by cos and sin_signed (rows of head_dim, one per row of x: fused.apply_rope's)."""
         if self.gemm is not None:
             kernel, packed = self.gemm
             k = packed.numel() // self.out_features
@@ -72,10 +128,21 @@ class Linear:
                 raise TypeError(f"this bf16 linear layer takes bf16 inputs of {k} features, got "
                                 f"{x.dtype} {list(x.shape)}")
             rows = x.reshape(-1, k).contiguous()
-            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+            epi = self.epilogue or Epilogue(0)
+            out = self.out_features // 2 if epi.kind == 1 else self.out_features
+            cos_p = sin_p = 0
+            if epi.kind == 2:
+                if (cos is None or sin_signed is None or not cos.is_contiguous() or not sin_signed.is_contiguous()
+                        or cos.numel() != rows.shape[0] * epi.head_dim or sin_signed.shape != cos.shape
+                        or cos.dtype != torch.bfloat16 or sin_signed.dtype != torch.bfloat16):
+                    raise ValueError(f"a rotary projection needs contiguous bf16 cos and sin_signed of "
+                                     f"{rows.shape[0]} x {epi.head_dim}")
+                cos_p, sin_p = cos.data_ptr(), sin_signed.data_ptr()
+            y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)
             if rows.shape[0]:
-                kernel(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), self.out_features, y.data_ptr())
-            return y.view(*x.shape[:-1], self.out_features)
+                kernel(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), self.out_features, y.data_ptr(),
+                       epi.kind, cos_p, sin_p, epi.head_dim, epi.rope_cols)
+            return y.view(*x.shape[:-1], out)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:

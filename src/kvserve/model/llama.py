@@ -17,7 +17,7 @@ from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
 from kvserve.model.fused import ElementwiseOps
 from kvserve.model.kv_cache import KVCache
-from kvserve.model.linear import Linear
+from kvserve.model.linear import SILU_MUL, Epilogue, Linear, rope_epilogue
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -52,7 +52,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class _Layer:
     """One decoder layer's weights, fused and cast."""
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, take) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, take, rope: Epilogue) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
         qkv_weight = torch.cat([take(a + f"{p}_proj.weight") for p in "qkv"])
         self.qkv_shape = tuple(qkv_weight.shape)
@@ -60,9 +60,10 @@ class _Layer:
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
             raise ValueError(f"{a}: q/k/v biases must be all present or all absent")
         qkv_bias = torch.cat([take(a + f"{p}_proj.bias") for p in "qkv"]) if biases[0] is not None else None
-        self.qkv_proj = Linear(qkv_weight, qkv_bias)
+        self.qkv_proj = Linear(qkv_weight, qkv_bias, epilogue=rope)
         self.o_proj = Linear(take(a + "o_proj.weight"), take(a + "o_proj.bias") if a + "o_proj.bias" in w else None)
-        self.gate_up_proj = Linear(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+        self.gate_up_proj = Linear(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+                                   epilogue=SILU_MUL)
         self.down_proj = Linear(take(m + "down_proj.weight"))
         self.input_norm = take(prefix + "input_layernorm.weight")
         self.post_attn_norm = take(prefix + "post_attention_layernorm.weight")
@@ -89,7 +90,8 @@ class LlamaModel:
         self.kv_size = c.num_key_value_heads * c.head_dim
         expect_qkv = self.q_size + 2 * self.kv_size
         self.embed_tokens = take("model.embed_tokens.weight")
-        self.layers = [_Layer(weights, f"model.layers.{i}.", take) for i in range(c.num_hidden_layers)]
+        rope = rope_epilogue(c.head_dim, self.q_size + self.kv_size)
+        self.layers = [_Layer(weights, f"model.layers.{i}.", take, rope) for i in range(c.num_hidden_layers)]
         for i, layer in enumerate(self.layers):
             if layer.qkv_shape != (expect_qkv, c.hidden_size):
                 raise ValueError(f"layer {i}: fused qkv weight is {layer.qkv_shape}, "
@@ -123,14 +125,20 @@ class LlamaModel:
         ops, eps = self.ops, c.rms_norm_eps
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv_proj(x)
-            # q and k are adjacent columns of qkv: one rotary pass over both heads sets.
-            qk = ops.rope(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
+            if layer.qkv_proj.epilogue is not None:  # the projection rotates q and k itself
+                qkv = layer.qkv_proj(x, cos, sin)
+                qk = qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d)
+            else:
+                qkv = layer.qkv_proj(x)
+                # q and k are adjacent columns of qkv: one rotary pass over both heads sets.
+                qk = ops.rope(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
             o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
             x = ops.add_rms_norm(h, layer.o_proj(o.reshape(t, self.q_size)), layer.post_attn_norm, eps)
-            act = ops.silu_mul(layer.gate_up_proj(x))
+            act = layer.gate_up_proj(x)
+            if layer.gate_up_proj.epilogue is None:
+                act = ops.silu_mul(act)
             # The residual add closes the layer and fuses with the next norm (or the final one).
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, layer.down_proj(act), next_norm, eps)

@@ -192,7 +192,8 @@ def load_library() -> ctypes.CDLL | None:
             lib.elementwise_bf16_available.restype = ctypes.c_int
             lib.gemm_bf16_pack.argtypes = [_P, _I64, _I64, _P]  # W, N, K, packed
             lib.gemm_bf16_pack.restype = None
-            lib.gemm_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P]  # x, M, K, packed, N, y
+            # x, M, K, packed, N, y, epilogue kind, cos, sin_signed, head_dim, rope_cols
+            lib.gemm_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int, _P, _P, _I64, _I64]
             lib.gemm_bf16.restype = None
             lib.gemm_bf16_available.restype = ctypes.c_int
             _lib = lib
@@ -268,7 +269,7 @@ def elementwise_kernels():
 class GemmBf16(NamedTuple):
     """model/csrc/gemm_bf16.cpp: bf16 projections through AVX512-BF16 dot products."""
     pack: ctypes._CFuncPtr  # (W [N, K], N, K, packed) -> the weight in the kernel's layout
-    gemm: ctypes._CFuncPtr  # (x [M, K], M, K, packed, N, y [M, N])
+    gemm: ctypes._CFuncPtr  # (x [M, K], M, K, packed, N, y [M, N], epilogue, cos, sin, head_dim, rope_cols)
 
 
 def gemm_bf16_kernels() -> GemmBf16 | None:

@@ -11,20 +11,79 @@
 // operand. A tile of MR rows x 4 vectors (64 columns) keeps its 4 * MR float32 accumulators in
 // registers over all of K: each step broadcasts one (x[m, 2kp], x[m, 2kp+1]) pair per row. The
 // accumulators are rounded to bf16 (nearest even) once at the end.
+//
+// Epilogues: the gate/up projection can leave SiLU(gate) * up instead of both halves, and the
+// q/k/v projection can leave q and k rotated (RoPE). A prompt chunk's elementwise passes then
+// never re-read a 2,048-row output from memory (model/linear.py). Each packs the weight's output
+// rows permuted so that a tile's 64 columns hold what the epilogue combines: 32 gate columns and
+// the same 32 up columns; or the 32 + 32 columns a rotation pairs, d and d + head_dim / 2 of one
+// head. The arithmetic and roundings are the unfused passes' (elementwise_bf16.cpp), bit for bit.
 #include <stdint.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <algorithm>
+#include "avx512_exp.h"
 
 namespace {
 
 constexpr int NR = 4;  // vectors of 16 columns per tile: 64 columns
 
+enum EpilogueKind { PLAIN = 0, SILU_MUL = 1, ROPE = 2 };
+
+struct Epilogue {
+    int kind;
+    int64_t ldy;  // y's row stride in elements (N, or N / 2 for SILU_MUL)
+    const uint16_t* cos;  // ROPE: [M, head_dim] rows, and sin_signed = (-sin, sin) alike
+    const uint16_t* sin;
+    int64_t head_dim;
+    int64_t rope_cols;  // ROPE: the first rope_cols columns (q and k heads) are rotated
+};
+
+inline __m512 bf16_round(__m512 x) {  // x rounded to bf16 (nearest even), kept in float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+inline __m512 bf16_load(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline void bf16_store(uint16_t* p, __m512 x) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(x)); }
+
+// Row r's 64 accumulated columns of panel n0 (4 vectors) into y, as the epilogue says.
+inline void store_row(const __m512* acc, uint16_t* y, int64_t r, int64_t n0, const Epilogue& e) {
+    uint16_t* yr = y + r * e.ldy;
+    if (e.kind == SILU_MUL) {  // columns 0-31 gate, 32-63 up, of outputs n0 / 2 + [0, 32)
+        for (int j = 0; j < 2; ++j) {
+            const __m512 g = bf16_round(acc[j]), u = bf16_round(acc[j + 2]);
+            const __m512 silu = bf16_round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                                          exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+            bf16_store(yr + n0 / 2 + 16 * j, _mm512_mul_ps(silu, u));
+        }
+        return;
+    }
+    if (e.kind == ROPE && n0 < e.rope_cols) {  // columns 0-31: d = i0 + [0, 32) of a head; 32-63: d + D / 2
+        const int64_t D = e.head_dim, per_head = D / 64, head = (n0 / 64) / per_head;
+        const int64_t i0 = ((n0 / 64) % per_head) * 32, lo = head * D + i0, hi = lo + D / 2;
+        const uint16_t* c = e.cos + r * D;
+        const uint16_t* s = e.sin + r * D;
+        for (int j = 0; j < 2; ++j) {
+            const __m512 a = bf16_round(acc[j]), b = bf16_round(acc[j + 2]);
+            const int64_t dl = i0 + 16 * j, dh = D / 2 + i0 + 16 * j;
+            bf16_store(yr + lo + 16 * j, _mm512_add_ps(bf16_round(_mm512_mul_ps(a, bf16_load(c + dl))),
+                                                      bf16_round(_mm512_mul_ps(b, bf16_load(s + dl)))));
+            bf16_store(yr + hi + 16 * j, _mm512_add_ps(bf16_round(_mm512_mul_ps(b, bf16_load(c + dh))),
+                                                      bf16_round(_mm512_mul_ps(a, bf16_load(s + dh)))));
+        }
+        return;
+    }
+    for (int j = 0; j < NR; ++j) bf16_store(yr + n0 + j * 16, acc[j]);
+}
+
 template <int MR>
-inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, uint16_t* y, int64_t N, int64_t m0,
-                 const char* prefetch, int64_t prefetch_lines) {
+inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, uint16_t* y, const Epilogue& e,
+                 int64_t m0, const char* prefetch, int64_t prefetch_lines) {
     __m512 acc[MR][NR];
     for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -41,9 +100,7 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, ui
             for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
         }
     }
-    for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j)
-            _mm256_storeu_si256((__m256i*)(y + (m0 + i) * N + n0 + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+    for (int i = 0; i < MR; ++i) store_row(acc[i], y, m0 + i, n0, e);
 }
 
 }  // namespace
@@ -62,35 +119,53 @@ extern "C" void gemm_bf16_pack(const uint16_t* W, int64_t N, int64_t K, uint16_t
             }
 }
 
-// y [M, N] bf16 = x [M, K] bf16 (rows contiguous) times the packed W, transposed.
-extern "C" void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, uint16_t* y) {
+namespace {
+
+constexpr int64_t CHUNK_ROWS = 128;
+
+// Rows [c * CHUNK_ROWS, ...) of x against panel nb (64 columns), tile by tile. `next`: the next
+// panel, prefetched over the tiles while this one computes (decode sizes, see gemm_bf16).
+void panel_chunk(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t nb, int64_t c,
+                 uint16_t* y, const Epilogue& e, const char* next) {
+    const int64_t panel_bytes = NR * (K / 2) * 64;
+    const int64_t m_end = std::min(M, (c + 1) * CHUNK_ROWS), rows = m_end - c * CHUNK_ROWS;
+    const int64_t tiles = rows / 6 + (rows % 6) / 2 + rows % 2;
+    const int64_t per_tile = (panel_bytes / 64 + tiles - 1) / tiles;
+    auto at = [&](int64_t i) { return next ? next + std::min(i * per_tile * 64, panel_bytes) : nullptr; };
+    auto lines = [&](int64_t i) {
+        return next ? std::max<int64_t>(0, std::min(per_tile, panel_bytes / 64 - i * per_tile)) : 0;
+    };
+    int64_t m = c * CHUNK_ROWS, t = 0;
+    for (; m + 6 <= m_end; m += 6, ++t) tile<6>(x, K, packed, nb * 64, y, e, m, at(t), lines(t));
+    for (; m + 2 <= m_end; m += 2, ++t) tile<2>(x, K, packed, nb * 64, y, e, m, at(t), lines(t));
+    for (; m < m_end; ++m, ++t) tile<1>(x, K, packed, nb * 64, y, e, m, at(t), lines(t));
+}
+
+}  // namespace
+
+// y [M, N] bf16 = x [M, K] bf16 (rows contiguous) times the packed W, transposed; then the
+// epilogue `kind` (y [M, N / 2] for SILU_MUL). cos / sin_signed / head_dim / rope_cols: ROPE only.
+extern "C" void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
+                          uint16_t* y, int kind, const uint16_t* cos, const uint16_t* sin_signed,
+                          int64_t head_dim, int64_t rope_cols) {
     if (M <= 0) return;
+    const Epilogue e{kind, kind == SILU_MUL ? N / 2 : N, cos, sin_signed, head_dim, rope_cols};
     // Work items: 64-column panels x chunks of up to 128 rows, so a prompt's rows spread over
     // every core even where a layer has few panels (576 columns: 9); a thread takes consecutive
     // items, i.e. the row chunks of one panel in turn, which then stays in its cache. Decode
-    // batches up to 128 are one chunk and keep the prefetch below (48-row chunks lost it at 64
-    // rows and ran 5-10 % slower on 2 cores).
-    const int64_t blocks = N / 64, panel_bytes = NR * (K / 2) * 64, chunk = 128;
-    const int64_t chunks = (M + chunk - 1) / chunk;
+    // batches up to 128 are one chunk and keep the prefetch (48-row chunks lost it at 64 rows
+    // and ran 5-10 % slower on 2 cores).
+    const int64_t blocks = N / 64, panel_bytes = NR * (K / 2) * 64;
+    const int64_t chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
     #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
         for (int64_t c = 0; c < chunks; ++c) {
-            const int64_t m_end = std::min(M, (c + 1) * chunk), rows = m_end - c * chunk;
-            const int64_t tiles = rows / 6 + (rows % 6) / 2 + rows % 2;
-            const int64_t per_tile = (panel_bytes / 64 + tiles - 1) / tiles;
             // Decode sizes (one chunk): the next panel streams in from DRAM, spread over this
             // panel's tiles, one line per K step, while this one computes (else each panel's first
             // tile waits on DRAM). Prefetching all of it at 1-2 rows (up to 4 lines a step) was
             // no faster than oneDNN at 1 row; one a step, 10-20 % faster (session 10).
             const char* next = chunks == 1 && nb + 1 < blocks ? (const char*)packed + (nb + 1) * panel_bytes : nullptr;
-            auto at = [&](int64_t i) { return next ? next + std::min(i * per_tile * 64, panel_bytes) : nullptr; };
-            auto lines = [&](int64_t i) {
-                return next ? std::max<int64_t>(0, std::min(per_tile, panel_bytes / 64 - i * per_tile)) : 0;
-            };
-            int64_t m = c * chunk, t = 0;
-            for (; m + 6 <= m_end; m += 6, ++t) tile<6>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
-            for (; m + 2 <= m_end; m += 2, ++t) tile<2>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
-            for (; m < m_end; ++m, ++t) tile<1>(x, K, packed, nb * 64, y, N, m, at(t), lines(t));
+            panel_chunk(x, M, K, packed, nb, c, y, e, next);
         }
     }
 }
@@ -98,6 +173,7 @@ extern "C" void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_
 extern "C" int gemm_bf16_available() { return 1; }
 #else
 extern "C" void gemm_bf16_pack(const uint16_t*, int64_t, int64_t, uint16_t*) {}
-extern "C" void gemm_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, uint16_t*) {}
+extern "C" void gemm_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, uint16_t*, int,
+                          const uint16_t*, const uint16_t*, int64_t, int64_t) {}
 extern "C" int gemm_bf16_available() { return 0; }
 #endif
