@@ -229,6 +229,24 @@ def test_bfloat16_close_to_hf(name):
         assert agree >= 0.9, f"{s}: bf16 argmax agrees on only {agree:.0%} of positions"
 
 
+def test_bfloat16_projection_epilogues_change_nothing(monkeypatch):
+    """SiLU * up and the rotary embedding done by the bf16 GEMM (linear.py's epilogues) give the
+    same logits, bit for bit, as the separate elementwise passes; a model built without them
+    (the permutation refused) is the reference."""
+    from kvserve.model import linear
+    fused, cache = make("llama_d64", 16, torch.bfloat16)
+    if fused.layers[0].gate_up_proj.epilogue is None:
+        pytest.skip("no bf16 GEMM here (no AVX512-BF16, an AMX CPU, or no compiler)")
+    assert fused.layers[0].qkv_proj.epilogue is not None
+    monkeypatch.setattr(linear, "_epilogue_order", lambda epi, n: None)
+    plain, plain_cache = make("llama_d64", 16, torch.bfloat16)
+    assert plain.layers[0].gate_up_proj.epilogue is None and plain.layers[0].qkv_proj.epilogue is None
+    seqs, steps = mixed_schedule()
+    ours, ref = run_schedule(fused, cache, seqs, steps), run_schedule(plain, plain_cache, seqs, steps)
+    for s in seqs:
+        assert torch.equal(ours[s], ref[s]), s
+
+
 # ---- the runner: greedy generation token for token, copy-on-write through block_copies ----
 
 class HandScheduler:

@@ -36,11 +36,13 @@ _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 class Epilogue(NamedTuple):
     """What gemm_bf16.cpp does to a projection's output before storing it."""
-    kind: int  # 1: SiLU(gate) * up of the two output halves; 2: rotary embedding of q and k
+    kind: int  # gemm_bf16.cpp's EpilogueKind: 0 none, 1 SiLU(gate) * up of the two output halves,
+    #            2 rotary embedding of q and k
     head_dim: int = 0  # rope: heads of head_dim columns
     rope_cols: int = 0  # rope: the leading columns (q then k heads) that are rotated
 
 
+PLAIN = Epilogue(0)
 SILU_MUL = Epilogue(1)
 
 
@@ -128,7 +130,7 @@ class Linear:
                 raise TypeError(f"this bf16 linear layer takes bf16 inputs of {k} features, got "
                                 f"{x.dtype} {list(x.shape)}")
             rows = x.reshape(-1, k).contiguous()
-            epi = self.epilogue or Epilogue(0)
+            epi = self.epilogue or PLAIN
             out = self.out_features // 2 if epi.kind == 1 else self.out_features
             cos_p = sin_p = 0
             if epi.kind == 2:
