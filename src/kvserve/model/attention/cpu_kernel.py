@@ -47,7 +47,8 @@ _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC /
             CSRC / "decode_quantized.cpp", CSRC / "quantize_blocks.cpp",
             CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp", CSRC.parents[1] / "csrc" / "gemm_bf16.cpp")
 # Part of the cache key, not compiled alone.
-_HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC / "quant_fields.h")
+_HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC.parents[1] / "csrc" / "bf16_vec.h",
+            CSRC / "quant_fields.h")
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _HEAD_DIMS = (64, 128)  # unrolled instances; others up to _MAX_HEAD_DIM use the generic one

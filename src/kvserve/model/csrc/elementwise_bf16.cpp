@@ -13,24 +13,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include "avx512_exp.h"
-
-namespace {
-
-inline __mmask16 tail(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-inline __m512 load_bf16(const uint16_t* p, __mmask16 k) {  // 16 (or k of them) bf16 -> float32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
-
-inline void store_bf16(uint16_t* p, __m512 x, __mmask16 k) {
-    _mm256_mask_storeu_epi16(p, k, (__m256i)_mm512_cvtneps_pbh(x));
-}
-
-inline __m512 round_bf16(__m512 x) {  // x rounded to bf16, kept in float32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
-}  // namespace
+#include "bf16_vec.h"
 
 // h [T, H] += delta [T, H] (rows `delta_stride` apart; no add when delta is null), rounded as
 // torch's bf16 add is; then out [T, H] = w * bf16(h * rsqrt(mean(h^2) + eps)), transformers'
@@ -42,7 +25,7 @@ extern "C" void add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, int64_t de
         uint16_t* ht = h + t * H;
         __m512 ss = _mm512_setzero_ps();
         for (int64_t i = 0; i < H; i += 16) {
-            const __mmask16 k = tail(H - i);
+            const __mmask16 k = tail16(H - i);
             __m512 x = load_bf16(ht + i, k);
             if (delta) {
                 x = round_bf16(_mm512_add_ps(x, load_bf16(delta + t * delta_stride + i, k)));
@@ -52,7 +35,7 @@ extern "C" void add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, int64_t de
         }
         const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
         for (int64_t i = 0; i < H; i += 16) {
-            const __mmask16 k = tail(H - i);
+            const __mmask16 k = tail16(H - i);
             const __m512 y = round_bf16(_mm512_mul_ps(load_bf16(ht + i, k), inv));
             store_bf16(out + t * H + i, _mm512_mul_ps(load_bf16(w + i, k), y), k);
         }
@@ -72,7 +55,7 @@ extern "C" void rope_bf16(uint16_t* x, int64_t x_stride, int64_t T, int64_t nhea
         for (int64_t hd = 0; hd < nheads; ++hd) {
             uint16_t* xh = x + t * x_stride + hd * D;
             for (int64_t i = 0; i < n; i += 16) {
-                const __mmask16 k = tail(n - i);
+                const __mmask16 k = tail16(n - i);
                 const __m512 a = load_bf16(xh + i, k), b = load_bf16(xh + n + i, k);
                 const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, load_bf16(c + i, k))),
                                                 round_bf16(_mm512_mul_ps(b, load_bf16(s + i, k))));
@@ -98,7 +81,7 @@ extern "C" void silu_mul_bf16(const uint16_t* gu, int64_t gu_stride, uint16_t* o
         const uint16_t* u = g + I;
         uint16_t* o = out + t * I;
         for (int64_t i = 0; i < I; i += 16) {
-            const __mmask16 k = tail(I - i);
+            const __mmask16 k = tail16(I - i);
             const __m512 x = load_bf16(g + i, k);
             const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
             const __m512 s = round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e)));

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include "avx512_exp.h"
+#include "bf16_vec.h"
 
 namespace {
 
@@ -41,25 +42,15 @@ struct Epilogue {
     int64_t rope_cols;  // ROPE: the first rope_cols columns (q and k heads) are rotated
 };
 
-inline __m512 bf16_round(__m512 x) {  // x rounded to bf16 (nearest even), kept in float32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
-inline __m512 bf16_load(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-inline void bf16_store(uint16_t* p, __m512 x) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(x)); }
-
 // Row r's 64 accumulated columns of panel n0 (4 vectors) into y, as the epilogue says.
 inline void store_row(const __m512* acc, uint16_t* y, int64_t r, int64_t n0, const Epilogue& e) {
     uint16_t* yr = y + r * e.ldy;
     if (e.kind == SILU_MUL) {  // columns 0-31 gate, 32-63 up, of outputs n0 / 2 + [0, 32)
         for (int j = 0; j < 2; ++j) {
-            const __m512 g = bf16_round(acc[j]), u = bf16_round(acc[j + 2]);
-            const __m512 silu = bf16_round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f),
+            const __m512 g = round_bf16(acc[j]), u = round_bf16(acc[j + 2]);
+            const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f),
                                                                           exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-            bf16_store(yr + n0 / 2 + 16 * j, _mm512_mul_ps(silu, u));
+            store_bf16(yr + n0 / 2 + 16 * j, _mm512_mul_ps(silu, u));
         }
         return;
     }
@@ -69,16 +60,16 @@ inline void store_row(const __m512* acc, uint16_t* y, int64_t r, int64_t n0, con
         const uint16_t* c = e.cos + r * D;
         const uint16_t* s = e.sin + r * D;
         for (int j = 0; j < 2; ++j) {
-            const __m512 a = bf16_round(acc[j]), b = bf16_round(acc[j + 2]);
+            const __m512 a = round_bf16(acc[j]), b = round_bf16(acc[j + 2]);
             const int64_t dl = i0 + 16 * j, dh = D / 2 + i0 + 16 * j;
-            bf16_store(yr + lo + 16 * j, _mm512_add_ps(bf16_round(_mm512_mul_ps(a, bf16_load(c + dl))),
-                                                      bf16_round(_mm512_mul_ps(b, bf16_load(s + dl)))));
-            bf16_store(yr + hi + 16 * j, _mm512_add_ps(bf16_round(_mm512_mul_ps(b, bf16_load(c + dh))),
-                                                      bf16_round(_mm512_mul_ps(a, bf16_load(s + dh)))));
+            store_bf16(yr + lo + 16 * j, _mm512_add_ps(round_bf16(_mm512_mul_ps(a, load_bf16(c + dl))),
+                                                      round_bf16(_mm512_mul_ps(b, load_bf16(s + dl)))));
+            store_bf16(yr + hi + 16 * j, _mm512_add_ps(round_bf16(_mm512_mul_ps(b, load_bf16(c + dh))),
+                                                      round_bf16(_mm512_mul_ps(a, load_bf16(s + dh)))));
         }
         return;
     }
-    for (int j = 0; j < NR; ++j) bf16_store(yr + n0 + j * 16, acc[j]);
+    for (int j = 0; j < NR; ++j) store_bf16(yr + n0 + j * 16, acc[j]);
 }
 
 template <int MR>
