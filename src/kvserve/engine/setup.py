@@ -150,7 +150,7 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     bpb = budget.bytes_per_block
     runner = ModelRunner(cfg, loaded.weights, dtype=dtype, device=device, block_size=args.block_size,
                          num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
-                         kv_cache_options=_kv_cache_options(args, cfg, loaded.weights),
+                         kv_cache_options=_kv_cache_options(args, cfg, loaded.weights, static_scales),
                          attention_backend=args.attention_backend, cascade_attn=not args.disable_cascade_attn)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
                 "maximum concurrency for %d tokens per request: %.2fx",
@@ -181,14 +181,14 @@ def _log_residual_pool(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, b
                            budget.num_tokens, auto_tokens)
 
 
-def _kv_cache_options(args: EngineArgs, cfg: ModelConfig, weights: dict) -> dict:
+def _kv_cache_options(args: EngineArgs, cfg: ModelConfig, weights: dict, static_scales: bool) -> dict:
     """Quantized caches: the residual pool (an open block per running sequence), and the checkpoint's
-    static fp8 scales (vLLM's `self_attn.k_scale` / `v_scale`) when it ships them."""
+    static fp8 scales (vLLM's `self_attn.k_scale` / `v_scale`) when it ships them (`static_scales`)."""
     if args.kv_cache_dtype == "auto":
         return {}
     from kvserve.model.kv_cache_quant import residual_blocks_for
     options: dict = {"num_residual_blocks": residual_blocks_for(args.max_num_seqs), "seal_at_step_end": True}
-    if _static_fp8_scales(args, weights):
+    if static_scales:
         from kvserve.kv.quant import KVScales
         options["kv_scales"] = KVScales.from_weights(weights, cfg.num_hidden_layers)
         logger.info("fp8 KV cache: using the checkpoint's static k/v scales")
