@@ -18,7 +18,7 @@ gemm = pytest.mark.skipif(gemm_bf16_kernels() is None, reason="no AVX512-BF16 (o
 
 @gemm
 @pytest.mark.parametrize("n,k", [(64, 2), (960, 576), (576, 1536), (3072, 576), (128, 30)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 10, 13, 64, 130])
 def test_gemm_matches_the_float32_product_within_a_bf16_step(n, k, rows):
     g = torch.Generator().manual_seed(n + k + rows)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()

@@ -120,7 +120,7 @@ void panel_chunk(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed
                  uint16_t* y, const Epilogue& e, const char* next) {
     const int64_t panel_bytes = NR * (K / 2) * 64;
     const int64_t m_end = std::min(M, (c + 1) * CHUNK_ROWS), rows = m_end - c * CHUNK_ROWS;
-    const int64_t tiles = rows / 6 + (rows % 6) / 2 + rows % 2;
+    const int64_t tiles = (rows + 5) / 6;
     const int64_t per_tile = (panel_bytes / 64 + tiles - 1) / tiles;
     auto at = [&](int64_t i) { return next ? next + std::min(i * per_tile * 64, panel_bytes) : nullptr; };
     auto lines = [&](int64_t i) {
@@ -128,8 +128,16 @@ void panel_chunk(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed
     };
     int64_t m = c * CHUNK_ROWS, t = 0;
     for (; m + 6 <= m_end; m += 6, ++t) tile<6>(x, K, packed, nb * 64, y, e, m, at(t), lines(t));
-    for (; m + 2 <= m_end; m += 2, ++t) tile<2>(x, K, packed, nb * 64, y, e, m, at(t), lines(t));
-    for (; m < m_end; ++m, ++t) tile<1>(x, K, packed, nb * 64, y, e, m, at(t), lines(t));
+    // The last 1-5 rows as one tile: two tiles of 2 rows (8 accumulators, bound by VDPBF16PS's
+    // latency) took as long as one of 4 (16 accumulators, bound by its throughput).
+    switch (m_end - m) {
+        case 5: tile<5>(x, K, packed, nb * 64, y, e, m, at(t), lines(t)); break;
+        case 4: tile<4>(x, K, packed, nb * 64, y, e, m, at(t), lines(t)); break;
+        case 3: tile<3>(x, K, packed, nb * 64, y, e, m, at(t), lines(t)); break;
+        case 2: tile<2>(x, K, packed, nb * 64, y, e, m, at(t), lines(t)); break;
+        case 1: tile<1>(x, K, packed, nb * 64, y, e, m, at(t), lines(t)); break;
+        default: break;
+    }
 }
 
 }  // namespace
