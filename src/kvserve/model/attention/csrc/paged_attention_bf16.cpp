@@ -17,7 +17,9 @@
 // ~250 shuffles per 32 keys against ~190 VDPBF16PS for a decode's 3 query rows) and unpacked V:
 // reading in place made decode attention 1.4-1.7x faster (bench/NOTES.md).
 // Softmax is online (flash-attention style) per 32-key chunk, so a work item's memory is a few
-// KB whatever the context length. Work item = (sequence, K/V head, tile of <= TILE query tokens);
+// KB whatever the context length. It runs in base 2 (the scale carries log2 e; the running max
+// and the saved states are base-2 too): exp2_512 is half exp512's work, and the softmax took
+// about a third of a prefill tile's time (9 % faster there, bench/NOTES.md). Work item = (sequence, K/V head, tile of <= TILE query tokens);
 // items of 17..64 query rows (prefill tiles, cascade prefix items) take attend_tile, which puts
 // the rows in the lanes (1.2-1.3x faster there), decodes the row-major attend_item.
 #include <stdint.h>
@@ -30,7 +32,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#include "../../csrc/avx512_exp.h"  // exp512 (x <= 0 here, after the max subtraction)
+#include "../../csrc/avx512_exp.h"  // exp512, exp2_512
 #define KVS_HAVE_BF16 1
 
 namespace {
@@ -165,7 +167,7 @@ __attribute__((always_inline)) inline ChunkView stage_chunk(
     return cv;
 }
 
-// The saved softmax state (m, l, then acc[DH]) of row r = token r / g, query head h * g + r % g.
+// The saved softmax state (m in base 2, l, then acc[DH]) of row r = token r / g, query head h * g + r % g.
 template <int DH>
 inline float* state_row(float* const* state, int r, int g, int h) {
     return state[r / g] + (int64_t)(h * g + r % g) * (DH + 2);
@@ -228,7 +230,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
             kposv[i] = _mm512_add_epi32(kpos, _mm512_set1_epi32(16 * i));
             in[i] = _mm512_cmpge_epi32_mask(kposv[i], vbegin) & _mm512_cmplt_epi32_mask(kposv[i], vend);
         }
-        const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+        const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
         for (int r = 0; r < rows; ++r) {
             const int64_t pos = qpos[r / g];
             const __m512i qv = _mm512_set1_epi32((int)pos);
@@ -249,11 +251,11 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
                 continue;
             }
             const float mnew = cmax > m[r] ? cmax : m[r];
-            alpha[r] = m[r] == -INFINITY ? 0.f : (mnew == m[r] ? 1.f : expf(m[r] - mnew));
+            alpha[r] = m[r] == -INFINITY ? 0.f : (mnew == m[r] ? 1.f : exp2f(m[r] - mnew));
             const __m512 vm = _mm512_set1_ps(mnew);
             __m512 vsum = _mm512_setzero_ps();
             for (int i = 0; i < NR; ++i) {
-                sv[i] = _mm512_maskz_mov_ps(vis[i], exp512(_mm512_sub_ps(sv[i], vm)));
+                sv[i] = _mm512_maskz_mov_ps(vis[i], exp2_512(_mm512_sub_ps(sv[i], vm)));
                 vsum = _mm512_add_ps(vsum, sv[i]);
             }
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(vsum);
@@ -314,6 +316,7 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     }
     auto row_state = [&](int r) { return state_row<DH>(state, r, g, h); };
     memset(of, 0, sizeof(__m512) * DH * RV);
+    constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
     if (mode == LOAD)
         for (int r = 0; r < rows; ++r) {
             const float* st = row_state(r);
@@ -327,7 +330,7 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         m[v] = _mm512_load_ps(ml + 16 * v);
         l[v] = _mm512_load_ps(ll + 16 * v);
     }
-    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.f);
+    const __m512 vscale = _mm512_set1_ps(scale * LOG2E), ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.f);
     // vpermw indices interleaving the two bf16 halves of cvtne2ps: word 2i = i, 2i + 1 = 16 + i.
     alignas(64) uint16_t pidx[32];
     for (int i = 0; i < 16; ++i) { pidx[2 * i] = (uint16_t)i; pidx[2 * i + 1] = (uint16_t)(16 + i); }
@@ -369,11 +372,12 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         for (int v = 0; v < RV; ++v) {
             const __m512 mnew = _mm512_max_ps(m[v], mx[v]);
             const __mmask16 live = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);  // some key seen
-            alpha[v] = _mm512_mask_blend_ps(live, one, exp512(_mm512_sub_ps(m[v], mnew)));
+            // exp512 here, not exp2_512: m is -inf until a row's first visible key.
+            alpha[v] = _mm512_mask_blend_ps(live, one, exp512(_mm512_mul_ps(_mm512_sub_ps(m[v], mnew), _mm512_set1_ps(LN2))));
             __m512 sum = _mm512_setzero_ps();
             for (int t = 0; t < CHUNK; ++t) {
                 const __mmask16 seen = _mm512_cmp_ps_mask(S[t][v], ninf, _CMP_NEQ_OQ);
-                S[t][v] = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(S[t][v], mnew)));
+                S[t][v] = _mm512_maskz_mov_ps(seen, exp2_512(_mm512_sub_ps(S[t][v], mnew)));
                 sum = _mm512_add_ps(sum, S[t][v]);
             }
             l[v] = _mm512_fmadd_ps(l[v], alpha[v], sum);
