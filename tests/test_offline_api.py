@@ -10,7 +10,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
 from kvserve.engine.outputs import Logprob, RequestError
-from kvserve.engine.sampling_params import SamplingParamsError
+from kvserve.engine.sampling_params import RequestOutputKind, SamplingParamsError
 from tiny_models import make_tiny_model
 
 
@@ -215,3 +215,31 @@ def test_prompt_logprobs_match_transformers(path):
             assert set(ref[pos - 1].topk(3).indices.tolist()) <= set(entry)  # the top 3 alternatives
     assert llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
     assert out.num_cached_tokens == 0  # scoring the prompt reads nothing from the cache
+
+
+def test_final_only_outputs_come_once_and_match_the_cumulative_ones(llm):
+    """vLLM's RequestOutputKind: FINAL_ONLY requests yield one output, when they finish, equal to
+    the last CUMULATIVE one (with stop strings and n > 1 too); LLM.generate asks for FINAL_ONLY
+    without touching the caller's SamplingParams."""
+    engine = llm.engine
+    stop = llm.tokenizer.decode(llm.generate([[5, 6, 7]], greedy(12), use_tqdm=False)[0].outputs[0].token_ids[3:5])
+    kinds = {"c": RequestOutputKind.CUMULATIVE, "f": RequestOutputKind.FINAL_ONLY}
+    for extra in ({}, {"stop": [stop]}, {"n": 2, "temperature": 1.0, "seed": 3}):
+        seen = {k: [] for k in kinds}
+        for k, kind in kinds.items():
+            engine.add_request(k, [5, 6, 7], SamplingParams(**{**dict(temperature=0.0, max_tokens=12, ignore_eos=True),
+                                                               **extra, "output_kind": kind}))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.request_id].append(out)
+        assert len(seen["c"]) > 1 and len(seen["f"]) == 1 and seen["f"][0].finished
+        last, final = seen["c"][-1], seen["f"][0]
+        assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in final.outputs] == \
+               [(o.index, o.text, o.token_ids, o.finish_reason) for o in last.outputs]
+        assert final.outputs[0].delta_token_ids == final.outputs[0].token_ids  # nothing was taken before
+    params = greedy(4)
+    assert llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)[1].finished
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+    with pytest.raises(SamplingParamsError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="final")

@@ -25,7 +25,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError,
                                     RequestMetrics, RequestOutput)
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.kv_transfer import build_kv_tiers
 from kvserve.engine.setup import EngineSetup, build_engine_parts
@@ -85,6 +85,7 @@ class _Group:
     prompt_token_ids: list[int]
     seqs: list[_Sequence]
     arrival_time: float
+    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output before the last
 
 
 class LLMEngine:
@@ -206,7 +207,8 @@ class LLMEngine:
                 seq.prompt_logprobs = [None] * len(prompt_ids)
                 req.skip_prefix_cache = len(prompt_ids) > 1
             seqs.append(seq)
-        group = _Group(request_id, prompt_text, prompt_ids, seqs, arrival)
+        group = _Group(request_id, prompt_text, prompt_ids, seqs, arrival,
+                       final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
         self._groups[request_id] = group
         for s in seqs:
             self._seq_of[s.req.request_id] = s
@@ -331,7 +333,8 @@ class LLMEngine:
                 req.finished_time = now
             group = self._group_of[req.request_id]
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
-        return [self._make_output(g) for g in groups.values()]
+        return [self._make_output(g) for g in groups.values()
+                if not g.final_only or all(s.req.is_finished for s in g.seqs)]
 
     def _add_prompt_logprobs(self, seq: _Sequence, chunk) -> None:
         """File a prefill chunk's prompt logprobs by position (a recomputed chunk overwrites)."""

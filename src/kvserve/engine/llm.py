@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import random
@@ -15,7 +16,7 @@ from typing import Sequence
 from kvserve.config import EngineArgs, vllm_only_args
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestError, RequestOutput
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 # As vLLM: a string, token ids, or its TextPrompt / TokensPrompt dicts.
 Prompt = str | list[int] | dict
@@ -111,6 +112,10 @@ class LLM:
             bad = next(p for p in params if not isinstance(p, SamplingParams))
             raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got "
                             f"{type(bad).__name__}; e.g. SamplingParams(max_tokens=16)")
+        # Only the finished outputs are returned, so only those are made (vLLM does the same);
+        # the caller's objects stay as they were.
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]
         if priority is not None:
             if len(priority) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")

@@ -5,6 +5,17 @@ import math
 import numbers
 import sys
 from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestOutputKind(IntEnum):
+    """vLLM's: which outputs `LLMEngine.step` returns for a request. CUMULATIVE (the default) and
+    DELTA: one per step that produced tokens (kvserve's outputs carry both the whole text and the
+    delta fields); FINAL_ONLY: only the finished one, which `LLM.generate` asks for, as vLLM's does
+    (an output per request per step is work an offline batch never reads)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParamsError(ValueError):
@@ -31,6 +42,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (computed, not cached)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM fields kvserve does not implement: accepted at their "off" value, refused otherwise
     # (a script that sets one must not get output that silently ignored it).
     best_of: int | None = None
@@ -57,6 +69,9 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, list):  # numpy integers are token ids too
             self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                                    for t in self.stop_token_ids]
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, bool) \
+                and self.output_kind in RequestOutputKind.__members__.values():
+            self.output_kind = RequestOutputKind(self.output_kind)
         # Refused when made, as vLLM does; the engine checks again against its own limits.
         self.validate(max_logprobs=sys.maxsize, max_n=sys.maxsize)
 
@@ -105,6 +120,9 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be a list of non-negative integer token ids, got {self.stop_token_ids!r}")
         if self.top_k < 0:
             raise bad("top_k", f"must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", f"must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                                     f"got {self.output_kind!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.n > max_n:

@@ -43,8 +43,8 @@ DISABLE_ENV = "KVSERVE_CPU_KERNEL"  # "0" turns the compiled kernel off
 CSRC = Path(__file__).resolve().parent / "csrc"
 # One library for every compiled CPU op: the attention kernels here and the decoder's bf16
 # elementwise steps and projections (model/csrc, called from model/fused.py and model/linear.py).
-_SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "stage_quantized.cpp",
-            CSRC / "decode_quantized.cpp", CSRC / "quantize_blocks.cpp",
+_SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "store_kv_pairs.cpp",
+            CSRC / "stage_quantized.cpp", CSRC / "decode_quantized.cpp", CSRC / "quantize_blocks.cpp",
             CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp", CSRC.parents[1] / "csrc" / "gemm_bf16.cpp")
 # Part of the cache key, not compiled alone.
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC.parents[1] / "csrc" / "bf16_vec.h",
