@@ -219,11 +219,11 @@ def test_prompt_logprobs_match_transformers(path):
 
 def test_final_only_outputs_come_once_and_match_the_cumulative_ones(llm):
     """vLLM's RequestOutputKind: FINAL_ONLY requests yield one output, when they finish, equal to
-    the last CUMULATIVE one (with stop strings and n > 1 too); LLM.generate asks for FINAL_ONLY
-    without touching the caller's SamplingParams."""
+    the last CUMULATIVE one, and DELTA outputs add up to it (with stop strings and n > 1 too);
+    LLM.generate asks for FINAL_ONLY without touching the caller's SamplingParams."""
     engine = llm.engine
     stop = llm.tokenizer.decode(llm.generate([[5, 6, 7]], greedy(12), use_tqdm=False)[0].outputs[0].token_ids[3:5])
-    kinds = {"c": RequestOutputKind.CUMULATIVE, "f": RequestOutputKind.FINAL_ONLY}
+    kinds = {"c": RequestOutputKind.CUMULATIVE, "f": RequestOutputKind.FINAL_ONLY, "d": RequestOutputKind.DELTA}
     for extra in ({}, {"stop": [stop]}, {"n": 2, "temperature": 1.0, "seed": 3}):
         seen = {k: [] for k in kinds}
         for k, kind in kinds.items():
@@ -237,6 +237,10 @@ def test_final_only_outputs_come_once_and_match_the_cumulative_ones(llm):
         assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in final.outputs] == \
                [(o.index, o.text, o.token_ids, o.finish_reason) for o in last.outputs]
         assert final.outputs[0].delta_token_ids == final.outputs[0].token_ids  # nothing was taken before
+        for o in last.outputs:  # DELTA: the pieces add up to the cumulative output
+            pieces = [p for out in seen["d"] for p in out.outputs if p.index == o.index]
+            assert sum((p.token_ids for p in pieces), []) == o.token_ids
+            assert "".join(p.text for p in pieces) == o.text and pieces[-1].finish_reason == o.finish_reason
     params = greedy(4)
     assert llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)[1].finished
     assert params.output_kind == RequestOutputKind.CUMULATIVE

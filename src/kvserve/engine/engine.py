@@ -85,7 +85,7 @@ class _Group:
     prompt_token_ids: list[int]
     seqs: list[_Sequence]
     arrival_time: float
-    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output before the last
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 
 class LLMEngine:
@@ -207,8 +207,7 @@ class LLMEngine:
                 seq.prompt_logprobs = [None] * len(prompt_ids)
                 req.skip_prefix_cache = len(prompt_ids) > 1
             seqs.append(seq)
-        group = _Group(request_id, prompt_text, prompt_ids, seqs, arrival,
-                       final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
+        group = _Group(request_id, prompt_text, prompt_ids, seqs, arrival, params.output_kind)
         self._groups[request_id] = group
         for s in seqs:
             self._seq_of[s.req.request_id] = s
@@ -334,7 +333,7 @@ class LLMEngine:
             group = self._group_of[req.request_id]
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
         return [self._make_output(g) for g in groups.values()
-                if not g.final_only or all(s.req.is_finished for s in g.seqs)]
+                if g.output_kind != RequestOutputKind.FINAL_ONLY or all(s.req.is_finished for s in g.seqs)]
 
     def _add_prompt_logprobs(self, seq: _Sequence, chunk) -> None:
         """File a prefill chunk's prompt logprobs by position (a recomputed chunk overwrites)."""
@@ -358,14 +357,18 @@ class LLMEngine:
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outputs = []
+        # DELTA (vLLM's): text, token_ids and logprobs hold only what is new since the last output.
+        delta_kind = group.output_kind == RequestOutputKind.DELTA
         for s in group.seqs:
             r = s.req
             finished = r.is_finished
             delta = s.detok.take_delta(finished)
             with_lp = s.logprobs is not None
             outputs.append(CompletionOutput(
-                index=s.index, text=s.detok.emitted_text, token_ids=list(r.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if with_lp else None, logprobs=s.logprobs,
+                index=s.index, text=delta if delta_kind else s.detok.emitted_text,
+                token_ids=list(s.new_token_ids) if delta_kind else list(r.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if with_lp else None,
+                logprobs=(list(s.new_logprobs) if delta_kind else s.logprobs) if with_lp else None,
                 finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
                 delta_text=delta, delta_token_ids=s.new_token_ids,
                 delta_logprobs=s.new_logprobs if with_lp else None))

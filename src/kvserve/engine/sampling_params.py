@@ -9,10 +9,11 @@ from enum import IntEnum
 
 
 class RequestOutputKind(IntEnum):
-    """vLLM's: which outputs `LLMEngine.step` returns for a request. CUMULATIVE (the default) and
-    DELTA: one per step that produced tokens (kvserve's outputs carry both the whole text and the
-    delta fields); FINAL_ONLY: only the finished one, which `LLM.generate` asks for, as vLLM's does
-    (an output per request per step is work an offline batch never reads)."""
+    """vLLM's: what `LLMEngine.step` returns for a request. CUMULATIVE (the default): an output per
+    step that produced tokens, with the whole text and token ids so far (and kvserve's delta_*
+    fields); DELTA: the same outputs holding only the new text, token ids and logprobs; FINAL_ONLY:
+    only the finished output, which `LLM.generate` asks for, as vLLM's does (an output per request
+    per step is work an offline batch never reads)."""
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
