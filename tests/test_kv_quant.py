@@ -405,6 +405,27 @@ def test_quantized_cache_factory_and_prefix_hash_separation():
             assert not hashes[a] & hashes[b], (a, b)
 
 
+@pytest.mark.parametrize("dt", ["auto", "int8"])
+def test_quantized_cache_copies_prefixes_from_full_blocks_only(dt):
+    """A partial block of a quantized cache is exact while open in the residual pool and padded
+    codes once evicted (by other requests' writes): a prefix served from one would depend on
+    what else ran. Full blocks are quantized once, so their leading tokens are still served."""
+    from kvserve.engine.request import Request
+    from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.kv.manager import KVCacheManager
+    kv = KVCacheManager(16, 8, kv_cache_dtype=dt)
+    tokens = list(range(100, 113))  # one full block, then 5 tokens of a partial one
+    first = Request("a", tokens, SamplingParams())
+    assert kv.allocate_slots(first, len(tokens), kv.get_computed_blocks(first))
+    first.num_computed_tokens = len(tokens)
+    kv.commit(first)
+    kv.free(first)
+    hit = kv.get_computed_blocks(Request("b", tokens, SamplingParams()))
+    assert (hit.num_tokens, hit.partial_tokens) == ((12, 4) if dt == "auto" else (8, 0))
+    hit = kv.get_computed_blocks(Request("c", tokens[:5], SamplingParams()))  # inside the full block
+    assert (hit.num_tokens, hit.partial_tokens) == (4, 4)
+
+
 def test_fp8_alias_shares_prefix_cache_keys():
     from kvserve.config import EngineArgs
     a, b = EngineArgs(kv_cache_dtype="fp8"), EngineArgs(kv_cache_dtype="fp8_e4m3")

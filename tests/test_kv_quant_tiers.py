@@ -29,10 +29,8 @@ from tiny_models import make_tiny_model
 
 QUANT = ["fp8_e4m3", "int8", "int4"]
 POOL = 10  # blocks; a request needs at most 10 (128-token document + question + answer)
-# Documents end on a block boundary: a prefix ending mid-block is served by copying a cached
-# partial block while it is on the device, but recomputed once evicted (tiers hold full blocks
-# only), and for a quantized cache the copy holds dequantized values, the recompute full precision:
-# a difference that is the pool's, not the tiers'.
+# Documents end on a block boundary: a prefix ending mid-block is recomputed (a quantized cache
+# copies no partial block: kv/manager.py), so only full blocks, the tiers' unit, are compared.
 DOCS = dict(num_docs=5, doc_len=128, questions=2)  # 5 x 8 blocks = 40 >= 4 x POOL
 # Per-step check_integrity would dominate these runs; test_tiers_engine runs the same manager
 # with it, and these tests check the pool at the end instead.

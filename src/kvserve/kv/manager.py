@@ -127,7 +127,14 @@ class KVCacheManager:
         if want:
             n_full = len(blocks) + len(restored)
             parent = hashes[n_full - 1] if n_full else root
+            # A quantized cache's partial block has no fixed stored form: exact residual rows
+            # while open, padded codes once other requests' writes evict it from the residual
+            # pool. Copying from one would make this prompt's numbers depend on what else ran;
+            # full blocks are quantized once, from all their tokens, so copy only from those.
+            whole_only = self.kv_cache_dtype != "auto"
             for cand in self.pool.candidates(parent):
+                if whole_only and len(cand.token_ids) < bs:
+                    continue
                 n = _common_prefix_len(cand.token_ids, want)
                 if n > best_len:
                     best, best_len = cand, n
