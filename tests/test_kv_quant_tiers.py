@@ -239,9 +239,9 @@ def test_residual_pool_holds_a_full_batch_beside_a_chunk_cut_mid_block(tiny, dt,
     assert llm.engine.runner.kv_cache.num_residual_blocks == 5
     outs = llm.generate(prompts, greedy(6), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 4
-    # One entry short (the sizing before this was found), and the case no fixed size covers (prompt
-    # chunks starting and ending mid-block, e.g. after prefix hits inside a block): the pool grows
-    # for that step instead of failing it, and the output is the same.
+    # One entry short (the sizing before this was found), standing in for the case no fixed size
+    # covers (prompt chunks starting and ending mid-block): the pool grows for that step instead
+    # of failing it, and the output is the same.
     monkeypatch.setattr(kv_cache_quant, "residual_blocks_for", lambda max_num_seqs: max_num_seqs)
     short = LLM(tiny, **common)
     again = short.generate(prompts, greedy(6), use_tqdm=False)

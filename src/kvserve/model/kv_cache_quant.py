@@ -43,9 +43,10 @@ def residual_blocks_for(max_num_seqs: int) -> int:
     """Residual entries a step's write needs in the common case: an open block per running
     sequence, plus one for the sequence whose prefill chunk the token budget cut mid-block in the
     step before (its next chunk starts in that open block and ends in a new one). With exactly
-    max_num_seqs entries a full batch of decodes beside such a chunk exhausted the pool. Prompt
-    chunks that resume inside a block (a prefix hit ending mid-block, copied on write) can open
-    two blocks each; a step that needs more grows the pool (QuantizedKVCache._grow_residual)."""
+    max_num_seqs entries a full batch of decodes beside such a chunk exhausted the pool. A write
+    that opens more (prompt chunks starting and ending mid-block; the engine's KV manager no longer
+    makes those by copying a quantized cache's partial blocks) grows the pool for that step
+    (QuantizedKVCache._grow_residual)."""
     return max_num_seqs + 1
 
 
@@ -416,9 +417,9 @@ class QuantizedKVCache(KVCache):
     def _grow_residual(self, extra: int) -> None:
         """Add `extra` entries (rounded up to 8) to every layer's residual pool. The pool is sized
         for one open block per running sequence plus one (residual_blocks_for), but a step whose
-        prompt chunks start mid-block (a prefix-cache hit that ends inside a block, copied on
-        write) and end mid-block opens two blocks per chunk: four such prompts at --max-num-seqs 4
-        needed 8 entries of 5 and failed the step (found in session 10). Growing costs memory
+        prompt chunks start and end mid-block opens two blocks per chunk: four such prompts at
+        --max-num-seqs 4 needed 8 entries of 5 and failed the step (session 10, when prefix hits
+        inside a quantized cache's block were still copied on write). Growing costs memory
         beyond the planned KV budget, so it is logged; existing entries keep their indices, and
         kernels that cached the pool's address see `residual_generation` change."""
         extra = -(-extra // 8) * 8

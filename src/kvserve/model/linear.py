@@ -34,31 +34,37 @@ log = logging.getLogger(__name__)
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 
+# gemm_bf16.cpp's EpilogueKind: nothing; SiLU(gate) * up of the two output halves; rotary
+# embedding of q and k.
+_PLAIN_KIND, _SILU_MUL_KIND, _ROPE_KIND = 0, 1, 2
+
+
 class Epilogue(NamedTuple):
     """What gemm_bf16.cpp does to a projection's output before storing it."""
-    kind: int  # gemm_bf16.cpp's EpilogueKind: 0 none, 1 SiLU(gate) * up of the two output halves,
-    #            2 rotary embedding of q and k
+    kind: int  # one of the kinds above
     head_dim: int = 0  # rope: heads of head_dim columns
     rope_cols: int = 0  # rope: the leading columns (q then k heads) that are rotated
 
 
-PLAIN = Epilogue(0)
-SILU_MUL = Epilogue(1)
+PLAIN = Epilogue(_PLAIN_KIND)
+SILU_MUL = Epilogue(_SILU_MUL_KIND)
 
 
 def rope_epilogue(head_dim: int, rope_cols: int) -> Epilogue:
-    return Epilogue(2, head_dim, rope_cols)
+    return Epilogue(_ROPE_KIND, head_dim, rope_cols)
 
 
 def _epilogue_order(epi: Epilogue, n: int) -> torch.Tensor | None:
     """The permutation of the weight's output rows that puts what one 64-column tile combines
     together (gemm_bf16.cpp), or None where the epilogue cannot apply to n outputs."""
-    if epi.kind == 1:  # tile p: gate outputs 32p + [0, 32), then the same up outputs
+    if epi.kind == _SILU_MUL_KIND:  # tile p: gate outputs 32p + [0, 32), then the same up outputs
         i = n // 2
         if n % 64:
             return None
         p = torch.arange(i // 32)[:, None] * 32 + torch.arange(32)
         return torch.stack((p, p + i), 1).reshape(-1)
+    if epi.kind != _ROPE_KIND:  # nothing to fuse
+        return None
     d, cols = epi.head_dim, epi.rope_cols
     if d % 64 or cols % d or cols > n or n % 64:
         return None
@@ -131,9 +137,9 @@ class Linear:
                                 f"{x.dtype} {list(x.shape)}")
             rows = x.reshape(-1, k).contiguous()
             epi = self.epilogue or PLAIN
-            out = self.out_features // 2 if epi.kind == 1 else self.out_features
+            out = self.out_features // 2 if epi.kind == _SILU_MUL_KIND else self.out_features
             cos_p = sin_p = 0
-            if epi.kind == 2:
+            if epi.kind == _ROPE_KIND:
                 if (cos is None or sin_signed is None or not cos.is_contiguous() or not sin_signed.is_contiguous()
                         or cos.numel() != rows.shape[0] * epi.head_dim or sin_signed.shape != cos.shape
                         or cos.dtype != torch.bfloat16 or sin_signed.dtype != torch.bfloat16):

@@ -41,6 +41,7 @@ constexpr int CHUNK = 32;  // keys per softmax step: two float32 registers (the 
                            // reductions per step cost as much as the dot products at 16);
                            // read as two halves of 16 keys, so blocks must hold 16k keys
 constexpr int TILE = 16;   // query tokens per work item (prefill)
+constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;  // the base-2 softmax
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
@@ -230,7 +231,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
             kposv[i] = _mm512_add_epi32(kpos, _mm512_set1_epi32(16 * i));
             in[i] = _mm512_cmpge_epi32_mask(kposv[i], vbegin) & _mm512_cmplt_epi32_mask(kposv[i], vend);
         }
-        const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
+        const __m512 vscale = _mm512_set1_ps(scale * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
         for (int r = 0; r < rows; ++r) {
             const int64_t pos = qpos[r / g];
             const __m512i qv = _mm512_set1_epi32((int)pos);
@@ -316,7 +317,6 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     }
     auto row_state = [&](int r) { return state_row<DH>(state, r, g, h); };
     memset(of, 0, sizeof(__m512) * DH * RV);
-    constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
     if (mode == LOAD)
         for (int r = 0; r < rows; ++r) {
             const float* st = row_state(r);
