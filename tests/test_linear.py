@@ -1,6 +1,8 @@
-"""The bf16 projection kernel (model/csrc/gemm_bf16.cpp) behind `Linear`, against float32 products.
+"""The bf16 projection kernels behind `Linear` (model/csrc/gemm_bf16.cpp with AVX512-BF16 dot
+products, gemm_amx.cpp with AMX tiles), against float32 products. Every test runs on each kernel
+this CPU has.
 
-It accumulates in float32 like oneDNN, in another order, so results equal oneDNN's but for the
+They accumulate in float32 like oneDNN, in another order, so results equal oneDNN's but for the
 last bit of a few elements: each output must be the float32 product rounded to bf16, within one
 bf16 step (2^-8 relative) plus the float32 accumulation's own error."""
 from __future__ import annotations
@@ -9,21 +11,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.attention.cpu_kernel import gemm_bf16_kernels
+from kvserve.model.attention import cpu_kernel
 from kvserve.model.fused import ElementwiseOps, apply_rope
 from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue
 
-gemm = pytest.mark.skipif(gemm_bf16_kernels() is None, reason="no AVX512-BF16 (or no compiler): oneDNN runs")
+_KERNELS = {"avx512bf16": cpu_kernel.gemm_bf16_kernels(amx=False), "amx": cpu_kernel.gemm_bf16_kernels(amx=True)}
 
 
-@gemm
-@pytest.mark.parametrize("n,k", [(64, 2), (960, 576), (576, 1536), (3072, 576), (128, 30)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 10, 13, 64, 130])
-def test_gemm_matches_the_float32_product_within_a_bf16_step(n, k, rows):
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.skipif(k is None, reason=f"no {name} kernel on this CPU"))
+                        for name, k in _KERNELS.items()])
+def gemm(request, monkeypatch):
+    """Makes `Linear` take one kernel; returns it."""
+    kernel = _KERNELS[request.param]
+    monkeypatch.setattr(cpu_kernel, "gemm_bf16_kernels", lambda amx=None: kernel)
+    return kernel
+
+
+@pytest.mark.parametrize("n,k", [(64, 2), (960, 576), (576, 1536), (3072, 576), (128, 30), (128, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 10, 13, 16, 17, 31, 32, 33, 64, 130, 300])
+def test_gemm_matches_the_float32_product_within_a_bf16_step(gemm, n, k, rows):
     g = torch.Generator().manual_seed(n + k + rows)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
     lin = Linear(w)
+    if k % gemm.k_multiple:  # AMX tiles take 32 k at a time: oneDNN runs this one
+        assert lin.gemm is None
+        return
     assert lin.gemm is not None and lin.weight is None
     ref = x.double() @ w.double().t()
     got = lin(x).double()
@@ -33,8 +46,7 @@ def test_gemm_matches_the_float32_product_within_a_bf16_step(n, k, rows):
     assert bool(((got - one).abs() <= 2 * bound).all())
 
 
-@gemm
-def test_gemm_takes_views_batched_inputs_and_empty_batches():
+def test_gemm_takes_views_batched_inputs_and_empty_batches(gemm):
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(192, 64, generator=g) * 0.1).bfloat16()
     lin = Linear(w)
@@ -61,18 +73,15 @@ def test_shapes_the_kernel_does_not_take_go_to_onednn_or_torch():
         assert lin(torch.randn(3, 64).to(dtype)).shape == (3, lin.out_features)
 
 
-def test_amx_cpus_keep_onednn(monkeypatch):
-    """With AMX, oneDNN's tile kernels beat VDPBF16PS (about twice its peak): no gemm_bf16 then."""
-    import kvserve.model.linear as linear
-    monkeypatch.setattr(linear, "_has_amx", lambda: True)
+def test_cpus_without_either_kernel_keep_onednn(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "gemm_bf16_kernels", lambda amx=None: None)
     lin = Linear(torch.randn(128, 64).bfloat16(), epilogue=SILU_MUL)
     assert lin.gemm is None and lin.epilogue is None  # the caller runs the SiLU pass
 
 
-@gemm
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("inter", [32, 1536])
-def test_silu_epilogue_equals_the_separate_pass(rows, inter):
+def test_silu_epilogue_equals_the_separate_pass(gemm, rows, inter):
     """SiLU(gate) * up fused into the gate/up product: bit-equal to the product followed by the
     compiled elementwise pass (the same roundings, in the same order)."""
     g = torch.Generator().manual_seed(rows + inter)
@@ -86,10 +95,9 @@ def test_silu_epilogue_equals_the_separate_pass(rows, inter):
     assert torch.equal(got, ops.silu_mul(Linear(w)(x)))
 
 
-@gemm
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 2)])
 @pytest.mark.parametrize("rows", [1, 13, 200])
-def test_rope_epilogue_equals_the_separate_pass(head_dim, heads, kv_heads, rows):
+def test_rope_epilogue_equals_the_separate_pass(gemm, head_dim, heads, kv_heads, rows):
     """q and k rotated inside the q/k/v product (head_dim 128: a head spans two tiles, the weight
     rows permuted so each tile holds the pairs it rotates); v untouched; bit-equal to the product
     followed by the compiled rotary pass."""

@@ -1,11 +1,15 @@
 """Linear layers with weights prepacked on CPU (bf16 / fp16).
 
-bf16 without a bias, on CPUs with AVX512-BF16 but no AMX, goes through model/csrc/gemm_bf16.cpp:
-a register-tiled VDPBF16PS loop over the weight packed once into that instruction's operand
-layout. It took 20-35 % less time than oneDNN's packed linear for SmolLM2's projections from 1 to
-128 rows (decode batches) and the same at 2,048 (bench/NOTES.md, session 10). On CPUs with AMX,
-oneDNN's tile kernels have about twice VDPBF16PS's peak (the issue's Sapphire Rapids: 2.2 TFLOP/s
-bf16 matmul), so oneDNN keeps those.
+bf16 without a bias goes through a compiled kernel over the weight packed once into the
+operand layout of VDPBF16PS, which is also AMX's B-tile layout:
+  - on CPUs with AMX (Sapphire Rapids), model/csrc/gemm_amx.cpp: TDPBF16PS tile products. Against
+    oneDNN's packed linear (AMX too) on SmolLM2's projections: 2-4x faster at 1 row (oneDNN
+    streams the weights at well under the memory's rate), 1.1-3x at 64, equal at 2,048
+    (bench/NOTES.md, session 13);
+  - on CPUs with AVX512-BF16 but no AMX, model/csrc/gemm_bf16.cpp: a register-tiled VDPBF16PS
+    loop. It took 20-35 % less time than oneDNN from 1 to 128 rows and the same at 2,048
+    (session 10, an AMD EPYC). On Sapphire Rapids VDPBF16PS issues at half the float32 FMA rate,
+    so this one runs only where AMX is missing.
 
 That kernel can also finish the projection with the elementwise pass that follows it (an
 `Epilogue`): SiLU(gate) * up after the gate/up projection, the rotary embedding of q and k after
@@ -75,11 +79,6 @@ def _epilogue_order(epi: Epilogue, n: int) -> torch.Tensor | None:
     return torch.cat((rope, torch.arange(cols, n)))
 
 
-def _has_amx() -> bool:
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(is_amx and is_amx())
-
-
 def _mkldnn_linear_available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -102,10 +101,10 @@ class Linear:
         self.epilogue = None
         n, k = weight.shape
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bias is None
-                and n % 64 == 0 and k % 2 == 0 and not _has_amx()):
+                and n % 64 == 0):
             from kvserve.model.attention.cpu_kernel import gemm_bf16_kernels
             kernels = gemm_bf16_kernels()
-            if kernels is not None:
+            if kernels is not None and k % kernels.k_multiple == 0:
                 order = _epilogue_order(epilogue, n) if epilogue is not None else None
                 self.epilogue = epilogue if order is not None else None
                 packed = torch.empty(n * k, dtype=torch.bfloat16)

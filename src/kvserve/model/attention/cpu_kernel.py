@@ -45,9 +45,11 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # elementwise steps and projections (model/csrc, called from model/fused.py and model/linear.py).
 _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "store_kv_pairs.cpp",
             CSRC / "stage_quantized.cpp", CSRC / "decode_quantized.cpp", CSRC / "quantize_blocks.cpp",
-            CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp", CSRC.parents[1] / "csrc" / "gemm_bf16.cpp")
+            CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp", CSRC.parents[1] / "csrc" / "gemm_bf16.cpp",
+            CSRC.parents[1] / "csrc" / "gemm_amx.cpp")
 # Part of the cache key, not compiled alone.
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC.parents[1] / "csrc" / "bf16_vec.h",
+            CSRC.parents[1] / "csrc" / "gemm_epilogue.h", CSRC.parents[1] / "csrc" / "amx.h", CSRC / "attend_amx.h",
             CSRC / "quant_fields.h")
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -197,6 +199,9 @@ def load_library() -> ctypes.CDLL | None:
             lib.gemm_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int, _P, _P, _I64, _I64]
             lib.gemm_bf16.restype = None
             lib.gemm_bf16_available.restype = ctypes.c_int
+            lib.gemm_bf16_amx.argtypes = lib.gemm_bf16.argtypes
+            lib.gemm_bf16_amx.restype = None
+            lib.gemm_amx_available.restype = ctypes.c_int
             _lib = lib
         except Exception as e:  # any build or load failure: fall back, say why once
             log.warning("paged decode kernel unavailable, using the pure-torch path: %s", e)
@@ -268,17 +273,24 @@ def elementwise_kernels():
 
 
 class GemmBf16(NamedTuple):
-    """model/csrc/gemm_bf16.cpp: bf16 projections through AVX512-BF16 dot products."""
+    """model/csrc/gemm_bf16.cpp (AVX512-BF16 dot products) or gemm_amx.cpp (AMX tiles): bf16
+    projections over the same packed weight, with the same epilogues."""
     pack: ctypes._CFuncPtr  # (W [N, K], N, K, packed) -> the weight in the kernel's layout
     gemm: ctypes._CFuncPtr  # (x [M, K], M, K, packed, N, y [M, N], epilogue, cos, sin, head_dim, rope_cols)
+    k_multiple: int  # K must be a multiple of this
 
 
-def gemm_bf16_kernels() -> GemmBf16 | None:
-    """The bf16 projection kernel where this CPU has AVX512-BF16, else None."""
+def gemm_bf16_kernels(amx: bool | None = None) -> GemmBf16 | None:
+    """The bf16 projection kernel: AMX tiles where the CPU has them (and `amx` is not False),
+    else AVX512-BF16 dot products where it has those, else None."""
     lib = load_library()
     if lib is None or not lib.gemm_bf16_available():
         return None
-    return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16)
+    if amx is not False and lib.gemm_amx_available():
+        return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16_amx, 32)
+    if amx:
+        return None
+    return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16, 2)
 
 
 def varlen_kernel_for(dtype: torch.dtype, head_dim: int, device: torch.device):

@@ -1,0 +1,175 @@
+// attend_item on AMX tiles, for work items of up to 16 query rows (decodes: one token's g query
+// heads) with head_dim 64. Included by paged_attention_bf16.cpp inside its namespace, after
+// stage_chunk and state_row, which it shares.
+//
+// Why: on Sapphire Rapids VDPBF16PS issues at half the float32 FMA rate, and a decode's 3 rows x
+// 32 keys took 384 of them per K/V head, so decode attention was compute-bound there (34 ms of a
+// 62 ms batch-64 step). A TDPBF16PS costs the same ~3 ns for 1 to 16 rows, and 8 of them (q.k
+// then p.v) cover 16 keys of a head.
+//
+// The cache's pairs layout is already AMX's B-tile (VNNI) layout: 8 d-pairs of 16 keys are 8 rows
+// of 64 bytes at the block's key stride, and 8 key pairs of 16 d's are 8 rows of 64 bytes at a
+// stride of head_dim pairs. Tiles: 0 S [R x 16 float32] (scores of 16 keys), 1 A [R x 16 bf16]
+// (a 16-d slice of q, or 16 probabilities), 2 B [8 x 32 bf16], 4-7 O [R x 16 float32] (output
+// d 16c..16c+15), all resident over the item.
+//
+// The softmax is online as in attend_item, but O lives in tiles, which cannot be scaled in place:
+// the running max is only raised when a chunk's scores exceed it by more than 2^8 (probabilities
+// up to 256, exact in float32, as precise in bf16 as below 1), so O is stored, rescaled and
+// reloaded about once per row instead of once per chunk (FlashAttention-4's lazy rescaling).
+#ifdef KVS_HAVE_AMX
+
+constexpr float RESCALE_LOG2 = 8.f;
+
+inline void configure_attention_tiles(int R) {
+    amx::TileConfig c;
+    c.rows[0] = (uint8_t)R; c.colsb[0] = 64;
+    c.rows[1] = (uint8_t)R; c.colsb[1] = 32;
+    c.rows[2] = 8; c.colsb[2] = 64;
+    for (int t = 4; t < 8; ++t) { c.rows[t] = (uint8_t)R; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+}
+
+struct AmxScratch {
+    alignas(64) uint16_t q[16 * 64];  // the item's query rows, bf16
+    alignas(64) float s[16 * CHUNK];  // scores of one chunk
+    alignas(64) uint16_t p[16 * CHUNK];  // probabilities of one chunk, bf16
+    alignas(64) float o[16 * 64];  // O, when it leaves the tiles
+    alignas(64) float lv[16 * 16];  // per-row sums of probabilities, 16 lanes each
+};
+
+inline void o_to_scratch(float* o) {
+    _tile_stored(4, o, 256); _tile_stored(5, o + 16, 256); _tile_stored(6, o + 32, 256); _tile_stored(7, o + 48, 256);
+}
+inline void o_from_scratch(const float* o) {
+    _tile_loadd(4, o, 256); _tile_loadd(5, o + 16, 256); _tile_loadd(6, o + 32, 256); _tile_loadd(7, o + 48, 256);
+}
+
+// attend_item's contract, for ntok * g <= 16 rows and DH == 64.
+template <int DH>
+void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t* qpos, int ntok,
+                     int64_t q_stride, int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                     const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int hkv, int bs,
+                     float scale, int64_t window, Mode mode, float* const* state, uint32_t* kscr,
+                     uint32_t* vscr, AmxScratch& w) {
+    static_assert(DH == 64, "four O tiles of 16 d's");
+    const int rows = ntok * g;
+    configure_attention_tiles(rows);
+    for (int tq = 0; tq < ntok; ++tq)
+        memcpy(w.q + (size_t)tq * g * DH, q + qrow[tq] * q_stride + (int64_t)h * g * DH, (size_t)g * DH * 2);
+    float m[16], l[16];  // running max (base 2) and the sum carried in from a saved state
+    auto row_state = [&](int r) { return state_row<DH>(state, r, g, h); };
+    if (mode == LOAD) {
+        for (int r = 0; r < rows; ++r) {
+            const float* st = row_state(r);
+            m[r] = st[0]; l[r] = st[1];
+            memcpy(w.o + r * 64, st + 2, sizeof(float) * DH);
+        }
+        o_from_scratch(w.o);
+    } else {
+        for (int r = 0; r < rows; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+    }
+    memset(w.lv, 0, sizeof(float) * 16 * rows);
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
+    const __m512 vscale = _mm512_set1_ps(scale * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
+    constexpr int NR = CHUNK / 16;
+    for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
+        const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
+        for (int half = 0; half < NR; ++half) {  // S = q . k for 16 keys: 4 slices of 16 d's
+            const uint32_t* kh = cv.k[half];
+            const int64_t ks = cv.kstride[half];
+            _tile_zero(0);
+            for (int i = 0; i < DH / 16; ++i) {
+                _tile_loadd(1, w.q + 16 * i, DH * 2);
+                _tile_loadd(2, kh + 8 * i * ks, ks * 4);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, w.s + 16 * half, CHUNK * 4);
+        }
+        const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32((int)kp0));
+        __m512i kposv[NR];
+        __mmask16 in[NR];
+        for (int i = 0; i < NR; ++i) {
+            kposv[i] = _mm512_add_epi32(kpos, _mm512_set1_epi32(16 * i));
+            in[i] = _mm512_cmpge_epi32_mask(kposv[i], vbegin) & _mm512_cmplt_epi32_mask(kposv[i], vend);
+        }
+        float alpha[16];
+        bool rescale = false;
+        for (int r = 0; r < rows; ++r) {
+            const int64_t pos = qpos[r / g];
+            const __m512i qv = _mm512_set1_epi32((int)pos), lo = _mm512_set1_epi32((int)(pos - window));
+            __mmask16 vis[NR];
+            __m512 sv[NR];
+            __mmask16 over = 0;
+            const __m512 limit = _mm512_set1_ps(m[r] + RESCALE_LOG2);
+            for (int i = 0; i < NR; ++i) {
+                vis[i] = in[i] & _mm512_cmple_epi32_mask(kposv[i], qv);
+                if (window > 0) vis[i] &= _mm512_cmpgt_epi32_mask(kposv[i], lo);
+                sv[i] = _mm512_mask_mov_ps(ninf, vis[i], _mm512_mul_ps(_mm512_load_ps(w.s + r * CHUNK + 16 * i), vscale));
+                over |= _mm512_cmp_ps_mask(sv[i], limit, _CMP_GT_OQ);
+            }
+            alpha[r] = 1.f;
+            if (over) {  // raise the running max to this chunk's
+                __m512 vmax = sv[0];
+                for (int i = 1; i < NR; ++i) vmax = _mm512_max_ps(vmax, sv[i]);
+                const float cmax = _mm512_reduce_max_ps(vmax);
+                if (m[r] != -INFINITY) { alpha[r] = exp2f(m[r] - cmax); rescale = true; }
+                m[r] = cmax;
+            }
+            __m512 sum = _mm512_load_ps(w.lv + 16 * r);
+            if (alpha[r] != 1.f) {  // the sums so far were relative to the old max
+                sum = _mm512_mul_ps(sum, _mm512_set1_ps(alpha[r]));
+                l[r] *= alpha[r];
+            }
+            if (m[r] == -INFINITY) {  // no visible key yet
+                memset(w.p + r * CHUNK, 0, CHUNK * sizeof(uint16_t));
+                continue;
+            }
+            const __m512 vm = _mm512_set1_ps(m[r]);
+            for (int i = 0; i < NR; ++i) {
+                sv[i] = _mm512_maskz_mov_ps(vis[i], exp2_512(_mm512_sub_ps(sv[i], vm)));
+                sum = _mm512_add_ps(sum, sv[i]);
+            }
+            _mm512_store_ps(w.lv + 16 * r, sum);
+            for (int i = 0; i < NR; i += 2)
+                _mm512_store_si512((__m512i*)(w.p + r * CHUNK + 16 * i), (__m512i)_mm512_cvtne2ps_pbh(sv[i + 1], sv[i]));
+        }
+        if (rescale) {  // O so far was relative to the old max
+            o_to_scratch(w.o);
+            for (int r = 0; r < rows; ++r) {
+                if (alpha[r] == 1.f) continue;
+                const __m512 a = _mm512_set1_ps(alpha[r]);
+                for (int c = 0; c < DH; c += 16) _mm512_store_ps(w.o + r * 64 + c, _mm512_mul_ps(_mm512_load_ps(w.o + r * 64 + c), a));
+            }
+            o_from_scratch(w.o);
+        }
+        for (int half = 0; half < NR; ++half) {  // O += p . v for 16 keys: 8 key pairs x 16 d's per tile
+            const uint32_t* vh = cv.v[half];
+            _tile_loadd(1, w.p + 16 * half, CHUNK * 2);
+            _tile_loadd(2, vh, DH * 4); _tile_dpbf16ps(4, 1, 2);
+            _tile_loadd(2, vh + 16, DH * 4); _tile_dpbf16ps(5, 1, 2);
+            _tile_loadd(2, vh + 32, DH * 4); _tile_dpbf16ps(6, 1, 2);
+            _tile_loadd(2, vh + 48, DH * 4); _tile_dpbf16ps(7, 1, 2);
+        }
+    }
+    o_to_scratch(w.o);
+    for (int r = 0; r < rows; ++r) {
+        const float lr = l[r] + _mm512_reduce_add_ps(_mm512_load_ps(w.lv + 16 * r));
+        const float* ar = w.o + r * 64;
+        if (mode == STORE) {
+            float* st = row_state(r);
+            st[0] = m[r]; st[1] = lr;
+            memcpy(st + 2, ar, sizeof(float) * DH);
+            continue;
+        }
+        const __m512 inv = _mm512_set1_ps(lr > 0.f ? 1.f / lr : 0.f);
+        const int tq = r / g, j = r % g;
+        uint16_t* dst = out + qrow[tq] * out_stride + ((int64_t)h * g + j) * DH;
+        for (int c = 0; c < DH / 16; ++c)
+            _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(ar + 16 * c), inv)));
+    }
+}
+
+#endif  // KVS_HAVE_AMX
