@@ -299,8 +299,10 @@ def test_engine_with_a_quantized_cache_decodes_over_the_codes(kv_cache_dtype, mo
         assert (calls["codes"] >= 10 * layers) if on else calls["codes"] == 0
     # fp8: the staged copy rounds mean + scale * code to bf16, ~0.1 on SmolLM2's large key
     # channels, so its logits move further (measured: 5 of 8 identical, parting where the top
-    # three are within 0.3 and the two choices 0.44 apart). int4: 3 of 8 identical (session 12); every
-    # parting is still at a near-tie, which is what this checks - the identical count only keeps it
-    # from being vacuous.
+    # three are within 0.3 and the two choices 0.44 apart). int4: 3 of 8 identical (session 12). int8
+    # parted within 0.25 until the AMX kernels (session 13) moved its trajectory: the attention's
+    # error against a float64 reference is the AVX512-BF16 path's to 4 digits, yet one output now
+    # parts at 0.44. Every parting is still at a near-tie, which is what this checks - the identical
+    # count only keeps it from being vacuous.
     assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=2 if kv_cache_dtype == "int4" else 3,
-                                       max_gap=0.25 if kv_cache_dtype == "int8" else 0.5)
+                                       max_gap=0.5)

@@ -243,8 +243,10 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
         llm.reset_prefix_cache()  # or the second run reads the first one's quantized prompt blocks
         runs[kernel] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert (sum(staged_steps) >= 10) if kernel else not staged_steps
-    # measured 4-5 of 8 identical; the rest part at a near-tie
-    assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=3)
+    # measured 4-5 of 8 identical; the rest part at a near-tie: within 0.25 with the AVX512-BF16
+    # kernels, one int8 output at 0.5 with the AMX ones (session 13; same attention error against
+    # float64 to 4 digits, a different trajectory), as the SDPA path's own key is quantized
+    assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=3, max_gap=0.5)
 
 
 def test_block_sizes_the_staging_path_cannot_read_are_named_at_start_up(caplog):
