@@ -8,12 +8,13 @@ Three measurements, all in this process:
 1. The instruction peak: a register-resident loop of independent VDPBF16PS (bf16 pairs into
    float32, 64 FLOP each) and of float32 FMAs, compiled with the system g++ (-march=native), per
    thread count. Nothing can run a bf16 GEMM faster than the first figure.
-2. oneDNN's rate on SmolLM2-135M's own projections (qkv, o, gate_up, down, lm_head) with the
-   weights packed as the engine packs them (`kvserve.model.linear.Linear`), 30 distinct layers so
+2. The engine's rate on SmolLM2-135M's own projections (qkv, o, gate_up, down, lm_head) through
+   `kvserve.model.linear.Linear` (AMX tiles, AVX512-BF16 dot products or oneDNN, whichever this
+   CPU gets; the table names it), 30 distinct layers so
    the weights stream from DRAM as in a real step, at prefill (2,048 rows), decode-batch (64) and
    batch-1 row counts.
 3. The floor those rates put under the comparison workloads (bench/compare.py): the linear
-   layers' FLOPs of `random` and `shared` (prefix cached), divided by the peak and by oneDNN's
+   layers' FLOPs of `random` and `shared` (prefix cached), divided by the peak and by the
    measured rates, beside the time 1.5x the best vLLM run in bench/results/compare.json allows.
 
 Prints tables and writes bench/results/cpu_peak.json.
@@ -214,8 +215,12 @@ def main(argv=None) -> int:
                 print(f"{t:>7} {bf16:>15.3f} {fp32:>9.3f}")
 
     peak = result["peak"].get(torch.get_num_threads(), {}).get("bf16_dot_tflop_s")
-    print(f"\noneDNN packed bf16 projections of {cfg.num_hidden_layers} layers (distinct weights) and lm_head, "
-          f"{torch.get_num_threads()} threads")
+    probe = Linear(torch.zeros(64, 64, dtype=torch.bfloat16))
+    kernel = ("oneDNN" if probe.gemm is None else
+              "AMX tiles" if probe.gemm[0].__name__ == "gemm_bf16_amx" else "AVX512-BF16 dot products")
+    result["kernel"] = kernel
+    print(f"\nbf16 projections of {cfg.num_hidden_layers} layers (distinct weights) and lm_head through {kernel}, "
+          f"{torch.get_num_threads()} threads (\"of peak\": of the VDPBF16PS peak above)")
     print(f"{'rows':>5} {'layers ms':>10} {'TFLOP/s':>8} {'of peak':>8} {'lm_head ms':>11} {'TFLOP/s':>8}")
     for r in rows:
         o = onednn_rate(cfg, r)
@@ -228,7 +233,7 @@ def main(argv=None) -> int:
     pre_rate = result["onednn"].get(max(rows), {}).get("layers", {}).get("tflop_s")
     dec_rate = result["onednn"].get(64, {}).get("layers", {}).get("tflop_s")
     print("\nLinear layers alone (no attention, norms or bookkeeping), seconds")
-    print(f"{'workload':<8} {'TFLOP':>6} {'at peak':>8} {'at oneDNN':>10} {'1.5x vLLM budget':>17}")
+    print(f"{'workload':<8} {'TFLOP':>6} {'at peak':>8} {'measured':>10} {'1.5x vLLM budget':>17}")
     for name, w in work.items():
         total = w["prefill_tflop"] + w["decode_tflop"]
         w["seconds_at_peak"] = total / peak if peak else None

@@ -7,7 +7,9 @@ Three kernels read every sequence's K/V straight out of its blocks:
   - csrc/paged_decode.cpp: decodes (one query row per sequence), float32 or bf16, float32 math.
   - csrc/paged_attention_bf16.cpp: decodes *and* prefill chunks of every sequence in one call
     (varlen), bf16 through AVX512-BF16 dot products; built where the CPU has them. It reads the
-    KV cache's "pairs" layout (kv_cache.py), whose writes `store_kv_pairs` does.
+    KV cache's "pairs" layout (kv_cache.py), whose writes `store_kv_pairs` does. On CPUs with AMX
+    its items of up to 16 query rows (head_dim 64) run on tiles instead (csrc/attend_amx.h;
+    KVSERVE_AMX_ATTENTION=0 keeps the dot products, for comparisons).
   - csrc/decode_quantized.cpp: decodes over a quantized (int8, int4, fp8) cache's codes in place, the
     dequantization folded into the query and the probabilities.
 The same library carries the quantized caches' cache-side passes (stage_quantized.cpp: staging,
