@@ -3,15 +3,15 @@
 bf16 without a bias goes through a compiled kernel over the weight packed once into the
 operand layout of VDPBF16PS, which is also AMX's B-tile layout:
   - on CPUs with AMX (Sapphire Rapids), model/csrc/gemm_amx.cpp: TDPBF16PS tile products. Against
-    oneDNN's packed linear (AMX too) on SmolLM2's projections: 2-4x faster at 1 row (oneDNN
-    streams the weights at well under the memory's rate), 1.1-3x at 64, equal at 2,048
-    (bench/NOTES.md, session 13);
+    oneDNN's packed linear (AMX too), SmolLM2's 30 layers with weights from DRAM: 9.1 vs 12.0 ms
+    at 1 row (the memory's rate; oneDNN streams well under it), 14.5 vs 18.2 at 64, equal at 512,
+    8 % slower at 2,048, where the fused epilogues win part of it back (bench/NOTES.md, session 13);
   - on CPUs with AVX512-BF16 but no AMX, model/csrc/gemm_bf16.cpp: a register-tiled VDPBF16PS
     loop. It took 20-35 % less time than oneDNN from 1 to 128 rows and the same at 2,048
     (session 10, an AMD EPYC). On Sapphire Rapids VDPBF16PS issues at half the float32 FMA rate,
     so this one runs only where AMX is missing.
 
-That kernel can also finish the projection with the elementwise pass that follows it (an
+Either kernel can also finish the projection with the elementwise pass that follows it (an
 `Epilogue`): SiLU(gate) * up after the gate/up projection, the rotary embedding of q and k after
 the q/k/v projection. The layer's `epilogue` says whether it does; where it is None the caller
 runs the pass itself (model/fused.py).

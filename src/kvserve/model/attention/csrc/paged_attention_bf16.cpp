@@ -21,7 +21,8 @@
 // and the saved states are base-2 too): exp2_512 is half exp512's work, and the softmax took
 // about a third of a prefill tile's time (9 % faster there, bench/NOTES.md). Work item = (sequence, K/V head, tile of <= TILE query tokens);
 // items of 17..64 query rows (prefill tiles, cascade prefix items) take attend_tile, which puts
-// the rows in the lanes (1.2-1.3x faster there), decodes the row-major attend_item.
+// the rows in the lanes (1.2-1.3x faster there), decodes the row-major attend_item. On CPUs
+// with AMX (head_dim 64) every item runs on tiles instead, 16 rows at a time (attend_amx.h).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -430,11 +431,11 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     }
 }
 
-// Runs one work item by the path that suits its row count (see attend_tile).
 #ifndef KVS_HAVE_AMX
 struct AmxScratch {};
 #endif
 
+// Runs one work item by the path that suits its row count (see attend_tile) and the CPU.
 struct Scratch {
     uint32_t* kscr; uint32_t* vscr; float* acc; float* m; float* l; float* alpha; float* sc; uint16_t* pb;
     __m512i* qT; __m512* O; __m512i* pp;
