@@ -86,7 +86,7 @@ extern "C" void gemm_bf16_amx(const uint16_t* x, int64_t M, int64_t K, const uin
                               uint16_t* y, int kind, const uint16_t* cos, const uint16_t* sin_signed,
                               int64_t head_dim, int64_t rope_cols) {
     if (M <= 0) return;
-    const Epilogue e{kind, kind == SILU_MUL ? N / 2 : N, cos, sin_signed, head_dim, rope_cols};
+    const Epilogue e = make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols);
     const int64_t groups = N / 64, chunks = (M + MB - 1) / MB;
     // Items ordered (row super-chunk of 8 items, column group, chunk): a super-chunk's rows of x
     // (256 x K bf16) stay in L2 while every column group passes over them.

@@ -106,7 +106,7 @@ extern "C" void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_
                           uint16_t* y, int kind, const uint16_t* cos, const uint16_t* sin_signed,
                           int64_t head_dim, int64_t rope_cols) {
     if (M <= 0) return;
-    const Epilogue e{kind, kind == SILU_MUL ? N / 2 : N, cos, sin_signed, head_dim, rope_cols};
+    const Epilogue e = make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols);
     // Work items: 64-column panels x chunks of up to 128 rows, so a prompt's rows spread over
     // every core even where a layer has few panels (576 columns: 9); a thread takes consecutive
     // items, i.e. the row chunks of one panel in turn, which then stays in its cache. Decode

@@ -21,6 +21,11 @@ struct Epilogue {
     int64_t rope_cols;  // ROPE: the first rope_cols columns (q and k heads) are rotated
 };
 
+inline Epilogue make_epilogue(int kind, int64_t N, const uint16_t* cos, const uint16_t* sin_signed,
+                              int64_t head_dim, int64_t rope_cols) {
+    return {kind, kind == SILU_MUL ? N / 2 : N, cos, sin_signed, head_dim, rope_cols};
+}
+
 // Row r's 64 accumulated columns of panel n0 (4 vectors) into y, as the epilogue says.
 static inline void store_row(const __m512* acc, uint16_t* y, int64_t r, int64_t n0, const Epilogue& e) {
     uint16_t* yr = y + r * e.ldy;

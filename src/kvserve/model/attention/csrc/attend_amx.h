@@ -33,6 +33,7 @@ inline void configure_attention_tiles(int R) {
 }
 
 struct AmxScratch {
+    int configured_rows;  // the tile configuration this thread holds (0: none yet)
     alignas(64) uint16_t q[16 * 64];  // the item's query rows, bf16
     alignas(64) float s[16 * CHUNK];  // scores of one chunk
     alignas(64) uint16_t p[16 * CHUNK];  // probabilities of one chunk, bf16
@@ -56,7 +57,10 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
                      uint32_t* vscr, AmxScratch& w) {
     static_assert(DH == 64, "four O tiles of 16 d's");
     const int rows = ntok * g;
-    configure_attention_tiles(rows);
+    if (w.configured_rows != rows) {  // LDTILECFG once per row count, not once per item
+        configure_attention_tiles(rows);
+        w.configured_rows = rows;
+    }
     for (int tq = 0; tq < ntok; ++tq)
         memcpy(w.q + (size_t)tq * g * DH, q + qrow[tq] * q_stride + (int64_t)h * g * DH, (size_t)g * DH * 2);
     float m[16], l[16];  // running max (base 2) and the sum carried in from a saved state
@@ -73,9 +77,7 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
         _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
     }
     memset(w.lv, 0, sizeof(float) * 16 * rows);
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
-    const __m512 vscale = _mm512_set1_ps(scale * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale * LOG2E);
     constexpr int NR = CHUNK / 16;
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
         const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
@@ -90,28 +92,16 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
             }
             _tile_stored(0, w.s + 16 * half, CHUNK * 4);
         }
-        const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32((int)kp0));
-        __m512i kposv[NR];
-        __mmask16 in[NR];
-        for (int i = 0; i < NR; ++i) {
-            kposv[i] = _mm512_add_epi32(kpos, _mm512_set1_epi32(16 * i));
-            in[i] = _mm512_cmpge_epi32_mask(kposv[i], vbegin) & _mm512_cmplt_epi32_mask(kposv[i], vend);
-        }
+        const ChunkKeys ck = chunk_keys(kp0, key_begin, key_end);
         float alpha[16];
         bool rescale = false;
         for (int r = 0; r < rows; ++r) {
-            const int64_t pos = qpos[r / g];
-            const __m512i qv = _mm512_set1_epi32((int)pos), lo = _mm512_set1_epi32((int)(pos - window));
             __mmask16 vis[NR];
             __m512 sv[NR];
+            row_scores(w.s + r * CHUNK, qpos[r / g], window, ck, vscale, sv, vis);
             __mmask16 over = 0;
             const __m512 limit = _mm512_set1_ps(m[r]);
-            for (int i = 0; i < NR; ++i) {
-                vis[i] = in[i] & _mm512_cmple_epi32_mask(kposv[i], qv);
-                if (window > 0) vis[i] &= _mm512_cmpgt_epi32_mask(kposv[i], lo);
-                sv[i] = _mm512_mask_mov_ps(ninf, vis[i], _mm512_mul_ps(_mm512_load_ps(w.s + r * CHUNK + 16 * i), vscale));
-                over |= _mm512_cmp_ps_mask(sv[i], limit, _CMP_GT_OQ);
-            }
+            for (int i = 0; i < NR; ++i) over |= _mm512_cmp_ps_mask(sv[i], limit, _CMP_GT_OQ);
             alpha[r] = 1.f;
             if (over) {  // raise the running max to this chunk's
                 __m512 vmax = sv[0];
@@ -166,11 +156,7 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
             memcpy(st + 2, ar, sizeof(float) * DH);
             continue;
         }
-        const __m512 inv = _mm512_set1_ps(lr > 0.f ? 1.f / lr : 0.f);
-        const int tq = r / g, j = r % g;
-        uint16_t* dst = out + qrow[tq] * out_stride + ((int64_t)h * g + j) * DH;
-        for (int c = 0; c < DH / 16; ++c)
-            _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(ar + 16 * c), inv)));
+        store_output_row<DH>(ar, lr, out + qrow[r / g] * out_stride + ((int64_t)h * g + r % g) * DH);
     }
 }
 

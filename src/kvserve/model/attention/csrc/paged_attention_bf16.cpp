@@ -180,6 +180,40 @@ inline float* state_row(float* const* state, int r, int g, int h) {
     return state[r / g] + (int64_t)(h * g + r % g) * (DH + 2);
 }
 
+// A chunk's key positions (16 per register) and which lie in [key_begin, key_end).
+struct ChunkKeys { __m512i pos[CHUNK / 16]; __mmask16 in[CHUNK / 16]; };
+
+inline ChunkKeys chunk_keys(int64_t kp0, int64_t key_begin, int64_t key_end) {
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
+    ChunkKeys ck;
+    for (int i = 0; i < CHUNK / 16; ++i) {
+        ck.pos[i] = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(kp0 + 16 * i)));
+        ck.in[i] = _mm512_cmpge_epi32_mask(ck.pos[i], vbegin) & _mm512_cmplt_epi32_mask(ck.pos[i], vend);
+    }
+    return ck;
+}
+
+// One query row's scores of a chunk (s: CHUNK floats), times vscale, and the keys it sees (in
+// range, not after its position `pos`, inside the window); unseen keys read -inf.
+inline void row_scores(const float* s, int64_t pos, int64_t window, const ChunkKeys& ck, __m512 vscale,
+                       __m512* sv, __mmask16* vis) {
+    const __m512i qv = _mm512_set1_epi32((int)pos), lo = _mm512_set1_epi32((int)(pos - window));
+    for (int i = 0; i < CHUNK / 16; ++i) {
+        vis[i] = ck.in[i] & _mm512_cmple_epi32_mask(ck.pos[i], qv);
+        if (window > 0) vis[i] &= _mm512_cmpgt_epi32_mask(ck.pos[i], lo);
+        sv[i] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis[i], _mm512_mul_ps(_mm512_load_ps(s + 16 * i), vscale));
+    }
+}
+
+// A row's output: acc / l (0 where no key was seen) rounded to bf16.
+template <int DH>
+inline void store_output_row(const float* acc, float l, uint16_t* dst) {
+    const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+    for (int c = 0; c < DH / 16; ++c)
+        _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), inv)));
+}
+
 // One work item: `ntok` query tokens (rows qrow[], positions qpos[]) of K/V head h against the keys
 // at positions [key_begin, key_end) of `table` (further limited by causality and the window).
 // mode NORMAL starts from an empty softmax state and writes the normalised output; STORE starts
@@ -216,14 +250,11 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         for (int r = 0; r < rows; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
         memset(acc, 0, sizeof(float) * rows * DH);
     }
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
         const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
         const uint32_t* const* kh = cv.k;
         const uint32_t* const* vh = cv.v;
         const int64_t* kstride = cv.kstride;
-        const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32((int)kp0));
         // Rows are interleaved in groups: one row alone is a chain of dependent VDPBF16PS
         // (latency ~6 cycles), which left the units mostly idle.
         for (int half = 0; half < CHUNK / 16; ++half)
@@ -231,26 +262,14 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
                 qk_rows<decltype(R)::value, NP>(kh[half], kstride[half], &qp[(size_t)r0 * NP], sc + r0 * CHUNK + 16 * half);
             });
         constexpr int NR = CHUNK / 16;  // float32 registers of scores per row
-        __m512i kposv[NR];
-        __mmask16 in[NR];
-        for (int i = 0; i < NR; ++i) {
-            kposv[i] = _mm512_add_epi32(kpos, _mm512_set1_epi32(16 * i));
-            in[i] = _mm512_cmpge_epi32_mask(kposv[i], vbegin) & _mm512_cmplt_epi32_mask(kposv[i], vend);
-        }
-        const __m512 vscale = _mm512_set1_ps(scale * LOG2E), ninf = _mm512_set1_ps(-INFINITY);
+        const ChunkKeys ck = chunk_keys(kp0, key_begin, key_end);
+        const __m512 vscale = _mm512_set1_ps(scale * LOG2E);
         for (int r = 0; r < rows; ++r) {
-            const int64_t pos = qpos[r / g];
-            const __m512i qv = _mm512_set1_epi32((int)pos);
-            const __m512i lo = _mm512_set1_epi32((int)(pos - window));
             __mmask16 vis[NR];
             __m512 sv[NR];
-            __m512 vmax = ninf;
-            for (int i = 0; i < NR; ++i) {
-                vis[i] = in[i] & _mm512_cmple_epi32_mask(kposv[i], qv);
-                if (window > 0) vis[i] &= _mm512_cmpgt_epi32_mask(kposv[i], lo);
-                sv[i] = _mm512_mask_mov_ps(ninf, vis[i], _mm512_mul_ps(_mm512_load_ps(sc + r * CHUNK + 16 * i), vscale));
-                vmax = _mm512_max_ps(vmax, sv[i]);
-            }
+            row_scores(sc + r * CHUNK, qpos[r / g], window, ck, vscale, sv, vis);
+            __m512 vmax = sv[0];
+            for (int i = 1; i < NR; ++i) vmax = _mm512_max_ps(vmax, sv[i]);
             const float cmax = _mm512_reduce_max_ps(vmax);
             if (cmax == -INFINITY) {  // no visible key in this chunk: leave the row as it is
                 alpha[r] = 1.f;
@@ -282,14 +301,8 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         }
         return;
     }
-    for (int r = 0; r < rows; ++r) {
-        const float* ar = acc + (size_t)r * DH;
-        const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
-        const int tq = r / g, j = r % g;
-        uint16_t* dst = out + qrow[tq] * out_stride + ((int64_t)h * g + j) * DH;
-        for (int c = 0; c < NV; ++c)
-            _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), inv)));
-    }
+    for (int r = 0; r < rows; ++r)
+        store_output_row<DH>(acc + (size_t)r * DH, l[r], out + qrow[r / g] * out_stride + ((int64_t)h * g + r % g) * DH);
 }
 
 #include "attend_amx.h"  // attend_item_amx: attend_item on AMX tiles
@@ -535,7 +548,10 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
         __m512i* pp = (__m512i*)aligned_alloc(64, sizeof(__m512i) * (CHUNK / 2) * 4);
         AmxScratch* amx_scratch = nullptr;
 #ifdef KVS_HAVE_AMX
-        if (use_amx && g <= 16) amx_scratch = (AmxScratch*)aligned_alloc(64, sizeof(AmxScratch));
+        if (use_amx && g <= 16) {
+            amx_scratch = (AmxScratch*)aligned_alloc(64, sizeof(AmxScratch));
+            amx_scratch->configured_rows = 0;
+        }
 #endif
         const Scratch scratch{kscr, vscr, acc.data(), m.data(), l.data(), alpha.data(), sc, pb.data(), qT, O, pp,
                               amx_scratch};
