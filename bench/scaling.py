@@ -2,6 +2,10 @@
 
     python bench/compare.py --scaling                          # same as: python bench/scaling.py
     python bench/scaling.py --batch-sizes 1,8,64 --contexts 256,2048 --decode-tokens 16
+    python bench/scaling.py --device cuda --model DIR [--enforce-eager]   # a GPU, HBM roofline
+
+On a GPU machine without the embedded model, DIR is a random checkpoint of the same shape
+(bench/random_checkpoint.py): speed depends on the shapes, not on the weights' values.
 
 Decode rate is timed inside one run: the engine is stepped directly, the clock for decode starts
 once every request of the batch has its first token (prefill over) and stops when the last one
@@ -10,7 +14,7 @@ Roofline, per decode step (all weights read once, the tied embedding once as lm_
 sequence's K/V so far), with bandwidth and matmul rate measured in this same process:
   memory bound  = batch * BW / (weight_bytes + batch * avg_context * kv_bytes_per_token)
   compute bound = batch * FLOPS / (2 * params + attention flops per token)
-Writes bench/results/scaling.json.
+Writes bench/results/scaling.json (scaling_cuda.json on a GPU).
 """
 from __future__ import annotations
 
@@ -30,8 +34,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import ModelConfig  # noqa: E402
-from kvserve.model.gguf import config_from_gguf, read_gguf  # noqa: E402
-from kvserve.model.loader import embedded_model_path, resolve_dtype  # noqa: E402
+from kvserve.engine.setup import resolve_device  # noqa: E402
+from kvserve.model.loader import embedded_model_path, model_config_from_hf, resolve_dtype  # noqa: E402
 
 
 @dataclass
@@ -55,27 +59,33 @@ class ScalingPoint:
     fraction_of_roofline: float  # decode / min(memory, compute)
 
 
-def measure_bandwidth(mib: int = 512, tries: int = 5) -> float:
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+def _best_time(fn, tries: int, device: torch.device) -> float:
+    """Fastest of `tries` calls, waiting for the device each time."""
+    fn()  # fault pages in / pick kernels before timing
+    best = float("inf")
+    for _ in range(tries):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_bandwidth(device: torch.device, mib: int = 512, tries: int = 5) -> float:
+    if device.type == "cuda":
+        mib, tries = 2048, 20
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in before timing
-    best = float("inf")
-    for _ in range(tries):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * 4 / best / 1e9
+    return 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), tries, device) / 1e9
 
 
-def measure_matmul(dtype: torch.dtype, n: int = 2048, tries: int = 3) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(tries):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e12
+def measure_matmul(dtype: torch.dtype, device: torch.device, tries: int = 3) -> float:
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return 2 * n**3 / _best_time(lambda: a @ b, tries, device) / 1e12
 
 
 def weight_params(c: ModelConfig) -> int:
@@ -159,6 +169,9 @@ def print_points(points: list[ScalingPoint]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     ap.add_argument("--batch-sizes", type=ints, default=ints("1,8,32,64,128,256"))
     ap.add_argument("--batch-prompt-len", type=int, default=128, help="prompt length for the batch sweep")
     ap.add_argument("--contexts", type=ints, default=ints("256,512,1024,2048,4096,8192"),
@@ -168,7 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's own choice, all cores); 1 on a shared machine")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scaling.json")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="default: bench/results/scaling.json, or scaling_cuda.json on a GPU")
     args = ap.parse_args(argv)
     if args.decode_tokens < 1:
         ap.error("--decode-tokens must be >= 1")
@@ -181,27 +195,36 @@ def main(argv=None) -> int:
         if args.threads < 1:
             ap.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, "cpu")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device.type)
     elem = torch.tensor([], dtype=dtype).element_size()
-    c = config_from_gguf(read_gguf(embedded_model_path()))
+    if args.model:
+        c = model_config_from_hf(json.loads((Path(args.model) / "config.json").read_text()), args.model)
+    else:
+        from kvserve.model.gguf import config_from_gguf, read_gguf
+        c = config_from_gguf(read_gguf(embedded_model_path()))
+    if args.json is None:
+        args.json = ROOT / "bench" / "results" / ("scaling_cuda.json" if device.type == "cuda" else "scaling.json")
     if max(args.contexts) > c.max_position_embeddings:
         ap.error(f"--contexts go up to {max(args.contexts)} but the model's limit is {c.max_position_embeddings}")
-    rates = MachineRates(measure_bandwidth(), measure_matmul(dtype))
-    print(f"{torch.get_num_threads()} thread(s); measured: copy bandwidth {rates.copy_bandwidth_gb_s:.1f} GB/s, {dtype} matmul "
+    rates = MachineRates(measure_bandwidth(device), measure_matmul(dtype, device))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
+    print(f"{where}; measured: copy bandwidth {rates.copy_bandwidth_gb_s:.1f} GB/s, {dtype} matmul "
           f"{rates.matmul_tflop_s:.2f} TFLOP/s; weights {weight_params(c) * elem / 1e6:.0f} MB, "
           f"KV {c.kv_bytes_per_token(elem):.0f} B/token", flush=True)
     rng = random.Random(args.seed)
     name = str(dtype).replace("torch.", "")
     points: list[ScalingPoint] = []
-    common = dict(dtype=name, enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory)
-    llm = LLM(None, max_model_len=args.batch_prompt_len + 1 + args.decode_tokens,
+    common = dict(dtype=name, enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory,
+                  device=device.type, enforce_eager=args.enforce_eager)
+    llm = LLM(args.model, max_model_len=args.batch_prompt_len + 1 + args.decode_tokens,
               max_num_seqs=max(args.batch_sizes), **common)
     run_phases(llm, [[1] * 16], 2)  # warm-up
     for b in args.batch_sizes:
         points.append(measure_point(llm, c, rates, elem, "batch", b, args.batch_prompt_len, args.decode_tokens, rng))
         print_points(points[-1:])
     del llm
-    llm = LLM(None, max_model_len=max(args.contexts), max_num_seqs=1, **common)
+    llm = LLM(args.model, max_model_len=max(args.contexts), max_num_seqs=1, **common)
     run_phases(llm, [[1] * 16], 2)
     for ctx in args.contexts:
         points.append(measure_point(llm, c, rates, elem, "context", 1, ctx - 1 - args.decode_tokens,
@@ -210,6 +233,7 @@ def main(argv=None) -> int:
     print_points(points)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "dtype": name,
+                                     "device": where, "enforce_eager": args.enforce_eager,
                                      "threads": torch.get_num_threads(), "argv": sys.argv[1:] if argv is None else argv,
                                      "rates": asdict(rates), "weight_params": weight_params(c),
                                      "points": [asdict(p) for p in points]}, indent=2))

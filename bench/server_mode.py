@@ -9,6 +9,7 @@ server runs alternate, best of --repeat each.
 
     python bench/server_mode.py                       # random + shared, 64 requests, bf16
     python bench/server_mode.py --workloads random --num-requests 16
+    python bench/server_mode.py --device cuda --model DIR      # a GPU
 Prints a table and writes bench/results/server_mode.json.
 """
 from __future__ import annotations
@@ -62,13 +63,17 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-memory", default="4GiB")
     ap.add_argument("--workloads", default="random,shared")
     ap.add_argument("--repeat", type=int, default=2, help="interleaved offline/server runs; best of each")
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--json", default=str(HERE / "results" / "server_mode.json"))
     args = ap.parse_args(argv)
 
     settings = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
-                    max_num_seqs=args.num_requests)
+                    max_num_seqs=args.num_requests, device=args.device)
     flags = ["--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048",
-             "--max-num-seqs", str(args.num_requests)]
+             "--max-num-seqs", str(args.num_requests), "--device", args.device]
+    if args.model:
+        flags += ["--model", args.model]
     workloads = make_workloads(args.num_requests, 49152)
     names = args.workloads.split(",")
     results: dict = {"settings": settings, "num_requests": args.num_requests, "workloads": {}}
@@ -79,9 +84,10 @@ def main(argv=None) -> int:
     try:
         url = server.url
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        llm = LLM(None, **settings)
-        run_kvserve(llm, workloads["random"][0][:4], 4)  # warm-up (allocator, kernels)
-        asyncio.run(run_http(url, model, workloads["random"][0][:4], 4))
+        llm = LLM(args.model, **settings)
+        for name in names:  # warm-up: allocator, kernels (and on CUDA their JIT-compiled variants)
+            asyncio.run(run_http(url, model, *workloads[name]))
+            run_kvserve(llm, *workloads[name])
         for name in names:
             prompts, out_len = workloads[name]
             runs = results["workloads"][name] = {"offline_runs": [], "server_runs": []}

@@ -14,11 +14,16 @@ inflates the Python side, so its percentages overstate bookkeeping).
     python bench/step_profile.py --steps 50 --cprofile
     python bench/step_profile.py --breakdown
     python bench/step_profile.py --breakdown --kv-cache-dtype int8
+    python bench/step_profile.py --device cuda --model DIR [--enforce-eager]
+
+On CUDA the model time runs from the call until the device is done (a synchronize after the
+forward, or after the decode graph's replay, and after the logits): what the step waits for.
 Prints a table and writes bench/results/step_profile.json.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -33,6 +38,8 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from throughput import make_workloads  # noqa: E402
 
+import torch  # noqa: E402
+
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.linear import Linear  # noqa: E402
 
@@ -46,12 +53,17 @@ def main(argv=None) -> int:
                     help="random: prompts of 128-512 tokens; shared: a 1,024-token prefix + 32 each")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="time attention and linear layers inside the model")
+    ap.add_argument("--kernels", action="store_true", help="CUDA: the device kernels by total time (torch.profiler)")
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     ap.add_argument("--json", default=str(HERE / "results" / "step_profile.json"))
     args = ap.parse_args(argv)
 
-    llm = LLM(None, dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=64,
-              kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=2048, max_num_seqs=64,
+              kv_cache_dtype=args.kv_cache_dtype, device=args.device, enforce_eager=args.enforce_eager)
     engine, model = llm.engine, llm.engine.runner.model
+    cuda = model.device.type == "cuda"
     prompts, _ = make_workloads(64, 49152)[args.workload]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 40, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -68,10 +80,15 @@ def main(argv=None) -> int:
             try:
                 return fn(*a, **k)
             finally:
+                if cuda:
+                    torch.cuda.synchronize()
                 spent[key] += time.perf_counter() - t
         return wrapper
 
     model.forward, model.compute_logits = timed(model.forward, "model"), timed(model.compute_logits, "model")
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        graphs.run = timed(graphs.run, "model")
     kv_cache = engine.runner.kv_cache
     # Quantized caches seal (quantize) the blocks that filled up after the forward: KV cache work
     # that would sit inside a GPU engine's cache-write kernel, reported on its own line.
@@ -80,13 +97,18 @@ def main(argv=None) -> int:
         model.attn.forward = timed(model.attn.forward, "attention")
         Linear.__call__ = timed(Linear.__call__, "linears")  # decode inputs are 2-D: no nested calls
     prof = cProfile.Profile() if args.cprofile else None
+    kernels = None
+    if args.kernels:
+        from torch.profiler import ProfilerActivity, profile
+        kernels = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     batch = []
     t = time.perf_counter()
     if prof:
         prof.enable()
-    for _ in range(args.steps):
-        batch.append(len(engine.scheduler.running))
-        engine.step()
+    with kernels or contextlib.nullcontext():
+        for _ in range(args.steps):
+            batch.append(len(engine.scheduler.running))
+            engine.step()
     if prof:
         prof.disable()
     total = time.perf_counter() - t
@@ -99,7 +121,9 @@ def main(argv=None) -> int:
     if args.breakdown:
         result.update({f"{k}_ms_per_step": spent[k] / args.steps * 1e3 for k in ("attention", "linears")})
         result["model_rest_ms_per_step"] = (spent["model"] - spent["attention"] - spent["linears"]) / args.steps * 1e3
-    print(f"\n{args.steps} decode steps ({args.workload}), mean batch {result['mean_batch']:.1f}, {args.dtype}"
+    result.update(device=str(model.device), decode_graphs=graphs is not None)
+    print(f"\n{args.steps} decode steps ({args.workload}), mean batch {result['mean_batch']:.1f}, {args.dtype}, "
+          f"{model.device}{', decode graphs' if graphs is not None else ''}"
           f"{' (under cProfile)' if prof else ''}")
     print(f"{'step ms':>8} {'model ms':>9} {'KV seal ms':>11} {'other ms':>9} {'other share':>12} {'KV occupancy':>13}")
     print(f"{result['ms_per_step']:>8.1f} {result['model_ms_per_step']:>9.1f} {result['kv_seal_ms_per_step']:>11.2f} "
@@ -107,6 +131,8 @@ def main(argv=None) -> int:
     if args.breakdown:
         print(f"model: attention {result['attention_ms_per_step']:.1f} ms, linear layers "
               f"{result['linears_ms_per_step']:.1f} ms, rest {result['model_rest_ms_per_step']:.1f} ms per step")
+    if kernels is not None:
+        print(kernels.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)

@@ -8,6 +8,8 @@ transformers runs static batches of 16 (left-padded) with the same weights and d
     python bench/throughput.py                       # full run, embedded SmolLM2, dtype auto
     python bench/throughput.py --num-requests 16 --skip-hf   # quicker look
     python bench/throughput.py --skip-hf --workloads random --kv-cache-dtype int8   # quantized KV
+    python bench/throughput.py --device cuda --model DIR [--enforce-eager]   # a GPU (DIR: an HF
+                                         # checkpoint, e.g. bench/random_checkpoint.py's)
 Prints a table and writes bench/results/throughput.json.
 """
 from __future__ import annotations
@@ -52,14 +54,16 @@ def run_kvserve(llm: LLM, prompts, out_len) -> dict:
             "preemptions": llm.engine.scheduler.num_preemptions}
 
 
-def hf_model(dtype: torch.dtype):
+def hf_model(dtype: torch.dtype, model: str | None = None, device: str = "cpu"):
     import transformers
+    if model is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
     loaded = load_model(None, dtype=torch.float32)
     cfg = transformers.LlamaConfig(**hf_config_dict(loaded.config))
     model = transformers.LlamaForCausalLM(cfg)
     model.load_state_dict(loaded.weights, strict=False)
     model.tie_weights()
-    return model.to(dtype).eval()
+    return model.to(dtype).to(device).eval()
 
 
 @torch.no_grad()
@@ -69,8 +73,8 @@ def run_hf(model, prompts, out_len, batch=16, pad_id=0) -> dict:
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=out_len,
                              min_new_tokens=out_len, pad_token_id=pad_id)
         gen += (out.shape[1] - width) * len(chunk)
@@ -90,32 +94,40 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", help="kvserve's KV cache dtype (auto, fp8, int8, int4)")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--workloads", default="random,shared")
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     ap.add_argument("--json", default="bench/results/throughput.json")
     args = ap.parse_args(argv)
 
-    dtype = resolve_dtype(args.dtype, resolve_device("auto").type)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device.type)
     results: dict = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                                 "torch": torch.__version__, "threads": torch.get_num_threads()},
+                                 "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
                      "dtype": str(dtype).replace("torch.", ""), "num_requests": args.num_requests,
                      "kv_cache_dtype": args.kv_cache_dtype, "workloads": {}}
     common = dict(dtype=results["dtype"], kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, device=device.type, enforce_eager=args.enforce_eager)
     workloads = make_workloads(args.num_requests, 49152)
     wanted = args.workloads.split(",")
     rows = []
     for caching in (True, False):
-        llm = LLM(None, enable_prefix_caching=caching, **common)
+        llm = LLM(args.model, enable_prefix_caching=caching, **common)
         run_kvserve(llm, workloads["random"][0][:4], 4)  # warm-up (allocator, kernels)
         for name in wanted:
             prompts, out_len = workloads[name]
+            if device.type == "cuda":  # first use JIT-compiles the Triton kernels' variants
+                first = run_kvserve(llm, prompts, out_len)["seconds"]
+                print(f"{name}: first (untimed) pass {first:.2f} s")
             r = run_kvserve(llm, prompts, out_len)
             key = f"kvserve prefix-caching {'on' if caching else 'off'}"
             results["workloads"].setdefault(name, {})[key] = r
             rows.append((name, key, r))
         del llm
     if not args.skip_hf:
-        model = hf_model(dtype)
+        model = hf_model(dtype, args.model, device.type)
         for name in wanted:
             prompts, out_len = workloads[name]
             r = run_hf(model, prompts, out_len)
@@ -124,7 +136,8 @@ def main(argv=None) -> int:
 
     print(f"\nOffline throughput, {args.num_requests} requests, dtype {results['dtype']}, "
           f"kv cache {args.kv_cache_dtype}, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+          f"{results['machine']['device'] if device.type == 'cuda' else f'{os.cpu_count()} CPUs'}, "
+          f"{'decode graphs off, ' if args.enforce_eager and device.type == 'cuda' else ''}torch {torch.__version__}")
     print(f"{'workload':<8} {'system':<36} {'seconds':>8} {'out tok/s':>10} {'cached tok':>10} {'vs HF':>7}")
     for name, key, r in rows:
         hf = results["workloads"][name].get("transformers generate (batch 16)")

@@ -5,14 +5,9 @@ wrong block-table walk or slot offset reads another sequence's keys. Outputs are
 a float64 softmax over the true K/V of each sequence (kept here, not read back from the cache),
 so the cache write kernel, the decode kernel and the varlen prefill kernel are all checked.
 
-Tolerance for float32 inputs: the kernels accumulate in float32 over <= ~100 keys, so the
-error is a few float32 ulps times log(keys): 1e-5 relative/absolute on O(1) outputs leaves
-~10x margin while a wrong mask, scale or block (errors ~1e-1) cannot pass. float16 / bfloat16
-inputs are rounded before the reference sees them; what remains is the kernel rounding the
-softmax weights to the input type before P @ V plus the output rounding: ~2 ulps of the type.
-
-The CUDA path is the same kernels compiled instead of interpreted; these tests run it only
-under the interpreter. Sizes are tiny because the interpreter runs every program in Python.
+The cases and their tolerances are in attention_cases.py. The CUDA path is the same kernels
+compiled instead of interpreted: test_cuda.py runs these cases on a GPU. Sizes are tiny because
+the interpreter runs every program in Python.
 """
 from __future__ import annotations
 
@@ -36,95 +31,8 @@ from kvserve.model.attention.base import build_attention_metadata  # noqa: E402
 from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kvserve.model.attention.triton_backend import (  # noqa: E402
     TritonAttentionBackend, select_attention_backend, triton_support)
-from kvserve.model.kv_cache import PagedKVCache  # noqa: E402
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def cache_for(num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-              dtype: torch.dtype) -> PagedKVCache:
-    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
-                      num_hidden_layers=2, num_attention_heads=num_kv_heads,
-                      num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=512)
-    return PagedKVCache(cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
-
-
-def reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, q_pos: torch.Tensor,
-              scale: float, window: int | None) -> torch.Tensor:
-    """float64 softmax attention; q [n, Hq, D], keys/vals [L, Hkv, D], q_pos [n]."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = vals.double().repeat_interleave(group, dim=1)
-    s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
-    dist = q_pos[:, None] - torch.arange(keys.shape[0])[None, :]
-    visible = dist >= 0
-    if window is not None:
-        visible &= dist < window
-    s = s.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
-
-
-def run_step(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-             start_pos: list[int], query_lens: list[int], window: int | None = None,
-             dtype: torch.dtype = torch.float32, layer: int = 1, seed: int = 0,
-             block_m: int = 16, block_n: int = 16):
-    """One attention step through the triton backend; returns (out, reference, torch backend out)."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [s + n for s, n in zip(start_pos, query_lens)]
-    needs = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(needs) + 3  # spare blocks stay zero and must never be read
-    ids = list(range(num_blocks))
-    random.Random(seed).shuffle(ids)
-    tables, at = [], 0
-    for n in needs:
-        tables.append(ids[at:at + n])
-        at += n
-    cache = cache_for(num_kv_heads, head_dim, block_size, num_blocks, dtype)
-    meta = build_attention_metadata(start_pos, query_lens, tables, block_size)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    # The whole K/V history of every sequence; the context part goes in through the torch
-    # cache's own write, the step's part through the triton write kernel inside forward.
-    keys = [rand(n, num_kv_heads, head_dim) for n in seq_lens]
-    vals = [rand(n, num_kv_heads, head_dim) for n in seq_lens]
-    for i, s in enumerate(start_pos):
-        if s:
-            slots = torch.tensor([tables[i][p // block_size] * block_size + p % block_size
-                                  for p in range(s)])
-            cache.write(layer, slots, keys[i][:s], vals[i][:s])
-    k = torch.cat([keys[i][s:] for i, s in enumerate(start_pos)])
-    v = torch.cat([vals[i][s:] for i, s in enumerate(start_pos)])
-    q = rand(meta.num_tokens, num_heads, head_dim)
-    scale = head_dim ** -0.5
-
-    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, window,
-                                     device="cpu", block_m=block_m, block_n=block_n)
-    torch_cache = cache_for(num_kv_heads, head_dim, block_size, num_blocks, dtype)
-    torch_cache.kv.copy_(cache.kv)
-    out = backend.forward(layer, q, k, v, cache, meta)
-
-    ref = torch.empty(q.shape, dtype=torch.float64)
-    for i, (s, n) in enumerate(zip(start_pos, query_lens)):
-        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
-        ref[rows] = reference(q[rows], keys[i], vals[i], torch.arange(s, s + n), scale, window)
-    # The write kernel must leave the pool exactly as the torch cache's write does.
-    torch_cache.write(layer, meta.slot_mapping, k, v)
-    assert torch.equal(cache.kv, torch_cache.kv)
-    torch_out = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, window).forward(
-        layer, q, k, v, torch_cache, build_attention_metadata(start_pos, query_lens, tables, block_size))
-    return out, ref, torch_out
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    tol = TOL[dtype]
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
-
-
-HEADS = {"gqa": (4, 2), "gqa3": (6, 2), "mha": (4, 4), "mqa": (3, 1)}
-
+from attention_cases import HEADS, assert_matches, cache_for, greedy_generate, run_step  # noqa: E402
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", ["gqa", "mha"])
@@ -136,6 +44,27 @@ def test_decode_batch_ragged(block_size: int, heads: str) -> None:
                                    start_pos=starts, query_lens=[1] * len(starts))
     assert_matches(out, ref, torch.float32)
     torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_splits", [1, 2, 32])
+def test_decode_split_into_key_ranges(max_splits: int) -> None:
+    """Flash-decoding: each decode's keys in `splits` ranges, combined; 1 is the one-pass kernel.
+    Contexts from 1 key (most ranges empty) to several tiles per range."""
+    starts = [0, 3, 40, 95, 200]
+    backend = TritonAttentionBackend(6, 2, 16, 0.25, device="cpu", max_decode_splits=max_splits)
+    assert backend.decode_splits(len(starts)) == min(4, max_splits)  # 16 "SMs" x 4 / 10 programs
+    out, ref, torch_out = run_step(num_heads=6, num_kv_heads=2, head_dim=16, block_size=16,
+                                   start_pos=starts, query_lens=[1] * len(starts), max_decode_splits=max_splits)
+    assert_matches(out, ref, torch.float32)
+    torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_splits_follow_the_batch() -> None:
+    backend = TritonAttentionBackend(9, 3, 64, 0.125, device="cpu")  # 16 "SMs" under the interpreter
+    assert [backend.decode_splits(n) for n in (1, 2, 5, 21, 22, 64)] == [16, 8, 4, 1, 1, 1]
+    assert TritonAttentionBackend(9, 3, 64, 0.125, device="cpu", max_decode_splits=4).decode_splits(1) == 4
+    with pytest.raises(ValueError, match="max_decode_splits"):
+        TritonAttentionBackend(9, 3, 64, 0.125, device="cpu", max_decode_splits=0)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -262,41 +191,6 @@ def test_quantized_cache_matches_torch_backend(kv_dtype: str) -> None:
 
 # -- end to end: the tiny model generates greedily with either backend --
 
-def greedy_generate(model, config: ModelConfig, prompts: list[list[int]], steps: int,
-                    block_size: int = 16) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy decoding of `prompts` batched together. The first prompt is prefilled in two
-    chunks (the second chunk shares a step with the other prompt's first decode), blocks are
-    handed out in a scattered order. Returns the generated ids and every step's logits."""
-    lens = [len(p) for p in prompts]
-    per_seq = -(-(max(lens) + steps) // block_size)
-    ids = list(range(len(prompts) * per_seq))
-    random.Random(1).shuffle(ids)
-    tables = [ids[i * per_seq:(i + 1) * per_seq] for i in range(len(prompts))]
-    cache = PagedKVCache(config, num_blocks=len(ids), block_size=block_size, dtype=torch.float32)
-    tokens = [list(p) for p in prompts]
-    done = [0] * len(prompts)  # tokens already in the cache
-    split = lens[0] // 2
-    first = [(0, split, False)] + [(i, lens[i], True) for i in range(1, len(prompts))]
-    plan = [first, [(0, lens[0] - split, True)] + [(i, 1, True) for i in range(1, len(prompts))]]
-    plan += [[(i, 1, True) for i in range(len(prompts))]] * steps
-    all_logits = []
-    for step in plan:
-        seqs = [s for s, _, _ in step]
-        meta = build_attention_metadata([done[s] for s in seqs], [n for _, n, _ in step],
-                                        [tables[s] for s in seqs], block_size)
-        input_ids = torch.tensor([t for s, n, _ in step for t in tokens[s][done[s]:done[s] + n]])
-        hidden = model.forward(input_ids, meta.positions, meta, cache)
-        rows = [meta.query_start_loc[j + 1] - 1 for j, (_, _, sample) in enumerate(step) if sample]
-        logits = model.compute_logits(hidden[torch.tensor(rows)])
-        all_logits.append(logits)
-        sampled = [s for s, _, sample in step if sample]
-        for s, n, _ in step:
-            done[s] += n
-        for s, row in zip(sampled, logits.argmax(-1).tolist()):
-            tokens[s].append(row)
-    return [t[len(p):] for t, p in zip(tokens, prompts)], all_logits
-
-
 @pytest.mark.parametrize("kind", ["llama_gqa", pytest.param("mistral_swa", marks=pytest.mark.slow)])
 def test_tiny_model_greedy_matches_torch_backend(kind: str, tmp_path) -> None:
     pytest.importorskip("transformers")
@@ -330,10 +224,11 @@ AOT_SCRIPT = textwrap.dedent("""
 
     INT_PTRS = {"block_tables_ptr", "seq_lens_ptr", "seq_ids_ptr", "token_rows_ptr",
                 "query_start_loc_ptr", "slot_mapping_ptr"}
+    FP32_PTRS = {"m_ptr", "l_ptr", "acc_ptr"}  # flash-decoding partials
 
     def compile_for(fn, dtype, constexprs):
-        sig = {n: "constexpr" if n in constexprs else "*i64" if n in INT_PTRS
-               else "*" + dtype if n.endswith("_ptr") else "fp32" if n == "qk_scale_log2" else "i32"
+        sig = {n: "constexpr" if n in constexprs else "*i64" if n in INT_PTRS else "*fp32" if n in FP32_PTRS
+               else "*" + dtype if n.endswith("_ptr") else "fp32" if n in ("qk_scale_log2", "eps") else "i32"
                for n in fn.arg_names}
         ce = {(fn.arg_names.index(n),): v for n, v in constexprs.items()}
         out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce), target=GPUTarget("cuda", 90, 32))
@@ -345,8 +240,15 @@ AOT_SCRIPT = textwrap.dedent("""
                     PRECISION=precision, DOT_FP32=False, GROUP=3)
         compile_for(K.paged_decode_kernel, dtype, dict(tile, GROUP_PAD=16))
         compile_for(K.paged_prefill_kernel, dtype, dict(tile, BLOCK_M=64))
+        compile_for(K.paged_decode_split_kernel, dtype, dict(tile, GROUP_PAD=16, NUM_SPLITS=8))
+        compile_for(K.paged_decode_reduce_kernel, dtype,
+                    dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=64, D_PAD=64, NUM_SPLITS=8, SPLITS_PAD=8))
     compile_for(K.reshape_and_cache_kernel, "bf16",
                 dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_SIZE=16, H_PAD=4, D_PAD=64))
+    from kvserve.model import fused_triton as F  # the CUDA model's norm, rotary and SiLU kernels
+    compile_for(F._add_rms_norm_kernel, "bf16", dict(HAS_DELTA=True, BLOCK=1024))
+    compile_for(F._rope_kernel, "bf16", dict(HALF=32, H_PAD=16))
+    compile_for(F._silu_mul_kernel, "bf16", dict(BLOCK=1024))
 """)
 
 
@@ -359,4 +261,12 @@ def test_kernels_compile_for_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("cubin") == 5, proc.stdout
+    assert proc.stdout.count("cubin") == 12, proc.stdout
+
+
+def test_fused_elementwise_kernels_interpreted() -> None:
+    """fused_triton (the CUDA model's norm, rotary and SiLU kernels) under the interpreter, in
+    fp16; test_cuda.py runs bf16 too on a GPU."""
+    from fused_cases import check_fused_kernels
+
+    check_fused_kernels(torch.float16, "cpu")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -50,11 +51,18 @@ def smollm2_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
 
 
+# A folder with the SmolLM2 tokenizer.json, for machines that cannot install the embedded model
+# (a GPU machine with no package registry: bench/random_checkpoint.py --no-weights writes one).
+TOKENIZER_DIR_ENV = "KVSERVE_SMOLLM2_TOKENIZER_DIR"
+
+
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
     """kvserve's Tokenizer rebuilt from the SmolLM2 GGUF metadata (cached: parsing takes seconds)."""
     from kvserve.model.tokenizer import Tokenizer
 
+    if os.environ.get(TOKENIZER_DIR_ENV):
+        return Tokenizer.from_pretrained(os.environ[TOKENIZER_DIR_ENV])
     return Tokenizer.from_gguf_metadata(_smollm2_metadata())
 
 

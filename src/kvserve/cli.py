@@ -42,6 +42,8 @@ _HELP = {
                          "ignore them; a folder: take its generation_config.json's",
     "override_generation_config": "JSON object of generation_config.json keys merged over what "
                                   "--generation-config gives, e.g. '{\"temperature\": 0.5}' (vLLM's)",
+    "enforce_eager": "CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps",
+    "max_cudagraph_capture_size": "CUDA: largest decode batch captured as a CUDA graph (larger batches run eagerly)",
     "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
                             "per group (cascade attention, CPU bf16 kernel; on by default)",
     "served_model_name": "name(s) clients send as `model` (default: the model path)",

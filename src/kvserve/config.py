@@ -54,11 +54,11 @@ VLLM_REFUSED = {
     "distributed_executor_backend": (("mp", "uni"), "kvserve runs in one process; there is no Ray backend"),
 }
 # Flags that change nothing here: name -> why (switches), and the same for flags that take a value.
-VLLM_NOOP = {"enforce_eager": "kvserve never captures CUDA graphs, so it always runs eagerly",
-             "trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
+VLLM_NOOP = {"trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
              "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
              "disable_frontend_multiprocessing": "the HTTP server and the engine share one process already"}
-VLLM_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve captures no CUDA graphs"}
+VLLM_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve's decode graphs cover every context length "
+                                             "(the attention kernel reads lengths from device memory)"}
 # Offline `LLM(...)` arguments of vLLM's with nothing to do here (value ignored).
 VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "one device per process: no all-reduce",
                      "compilation_config": "kvserve does not run torch.compile",
@@ -182,6 +182,11 @@ class EngineArgs:
     # vLLM's flag: attend shared prefixes per sequence instead of once per group of decodes
     # (kvserve's cascade runs in the CPU bf16 kernel; see model/attention/cascade.py).
     disable_cascade_attn: bool = False
+    # CUDA: decode steps replay CUDA graphs captured at start-up for batch sizes 1, 2, 4, 8, 16, ...
+    # up to min(max_num_seqs, max_cudagraph_capture_size) (engine/cuda_graph.py); enforce_eager
+    # turns them off. Ignored on CPU.
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 512
 
     def validate(self) -> None:
         check_block_size(self.block_size)
@@ -210,6 +215,9 @@ class EngineArgs:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
+        if self.max_cudagraph_capture_size < 1:
+            raise ConfigError(f"--max-cudagraph-capture-size must be >= 1 (got {self.max_cudagraph_capture_size}); "
+                              f"use --enforce-eager to capture no CUDA graphs")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})")
         if isinstance(self.kv_cache_memory, str):

@@ -68,7 +68,7 @@ def _engine_args(model: str | None, kwargs: dict) -> EngineArgs:
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
         """`engine_kwargs` are kvserve.EngineArgs fields (vLLM's names); vLLM arguments with
-        nothing to do here (trust_remote_code, enforce_eager, tensor_parallel_size=1, ...) are
+        nothing to do here (trust_remote_code, tensor_parallel_size=1, ...) are
         accepted, and those kvserve does not implement refused with the reason."""
         self.engine = LLMEngine.from_engine_args(_engine_args(model, engine_kwargs))
         self._ids = itertools.count()

@@ -6,12 +6,15 @@ tensors (vectorised: numpy over the step's sequences, never a Python loop per to
 """
 from __future__ import annotations
 
+import logging
+import time
 from itertools import chain
 
 import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.engine.cuda_graph import DecodeGraphs, graphs_unsupported
 from kvserve.engine.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from kvserve.model.attention.base import AttentionMetadata, build_attention_metadata
 from kvserve.model.attention.triton_backend import select_attention_backend
@@ -19,6 +22,8 @@ from kvserve.model.host_alloc import tune_malloc_for_inference
 from kvserve.model.kv_cache import create_kv_cache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.sampler import Sampler, SamplingRow, token_logprobs
+
+logger = logging.getLogger(__name__)
 
 # Rows of prompt logits computed at a time for prompt logprobs: 256 x 49,152 float32 is 50 MB.
 PROMPT_LOGITS_ROWS = 256
@@ -29,9 +34,12 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device | str, block_size: int, num_blocks: int,
                  kv_cache_dtype: str = "auto", seed: int = 0,
                  kv_cache_options: dict | None = None, attention_backend: str = "auto",
-                 cascade_attn: bool = True) -> None:
+                 cascade_attn: bool = True, cuda_graph_sizes: list[int] | None = None,
+                 max_model_len: int | None = None) -> None:
         """`kv_cache_options` pass through to the cache class (quantized caches:
-        num_residual_blocks, kv_scales, ...); see kvserve.model.kv_cache_fp8 / kv_cache_int."""
+        num_residual_blocks, kv_scales, ...); see kvserve.model.kv_cache_fp8 / kv_cache_int.
+        `cuda_graph_sizes`: decode batch sizes to capture as CUDA graphs (engine/cuda_graph.py;
+        empty or None: always eager); their block tables are `max_model_len` tokens wide."""
         self.model_config = model_config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -49,6 +57,22 @@ class ModelRunner:
                                                                   kv_cache_dtype, dtype)
         self.sampler = Sampler(seed, self.device)
         self._logits = torch.empty(0, 0, dtype=torch.float32, device=self.device)  # reused step to step
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_sizes:
+            self._capture(cuda_graph_sizes, max_model_len or model_config.max_position_embeddings)
+
+    def _capture(self, sizes: list[int], max_model_len: int) -> None:
+        reason = graphs_unsupported(self.model, self.kv_cache)
+        if reason:
+            logger.info("decode steps run eagerly: %s", reason)
+            return
+        t = time.perf_counter()
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
+                              -(-max_model_len // self.block_size), sizes)
+        graphs.capture()
+        self.graphs = graphs
+        logger.info("captured CUDA graphs of the decode step for %d batch sizes (1 to %d) in %.1f s",
+                    len(graphs.sizes), graphs.max_size, time.perf_counter() - t)
 
     def build_metadata(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
         """Flattened input ids and the step's attention metadata."""
@@ -74,15 +98,25 @@ class ModelRunner:
             self.sampler.forget(out.finished_req_ids)
         if out.is_empty:
             return ModelRunnerOutput()
-        input_ids, meta = self.build_metadata(out)
-        hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
+        if self._replays(out):
+            sched = out.scheduled
+            hidden = self.graphs.run(np.fromiter((s.request.all_token_ids[s.start_pos] for s in sched), np.int64,
+                                                 len(sched)),
+                                     np.fromiter((s.start_pos for s in sched), np.int64, len(sched)),
+                                     [s.block_table for s in sched])
+            query_start_loc = range(len(sched) + 1)
+            prompt_lps = {}
+        else:
+            input_ids, meta = self.build_metadata(out)
+            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
+            query_start_loc = meta.query_start_loc
+            prompt_lps = self._prompt_logprobs(out, hidden, meta)
         self.kv_cache.finish_step()
-        prompt_lps = self._prompt_logprobs(out, hidden, meta)
 
         sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps)
-        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
+        last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
         if self._logits.shape[0] < len(sampling):  # grows to the largest batch, then is reused
             self._logits = torch.empty(len(sampling), self.model.lm_head.out_features, dtype=torch.float32,
                                        device=self.device)
@@ -91,6 +125,13 @@ class ModelRunner:
                             s.request.output_token_ids, s.request.eos_token_ids) for _, s in sampling]
         tokens = self.sampler(logits, rows)
         return ModelRunnerOutput(sampled={r.request_id: t for r, t in zip(rows, tokens)}, prompt_logprobs=prompt_lps)
+
+    def _replays(self, out: SchedulerOutput) -> bool:
+        """Whether this step replays a decode graph: one token per sequence, a captured batch
+        size, and no prompt logprobs (those score prompt rows the graph does not return)."""
+        return (self.graphs is not None and self.graphs.size_for(len(out.scheduled)) is not None
+                and all(s.num_new_tokens == 1 and s.request.sampling_params.prompt_logprobs is None
+                        for s in out.scheduled))
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
                          ) -> dict[str, PromptLogprobs]:

@@ -151,7 +151,8 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     runner = ModelRunner(cfg, loaded.weights, dtype=dtype, device=device, block_size=args.block_size,
                          num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                          kv_cache_options=_kv_cache_options(args, cfg, loaded.weights, static_scales),
-                         attention_backend=args.attention_backend, cascade_attn=not args.disable_cascade_attn)
+                         attention_backend=args.attention_backend, cascade_attn=not args.disable_cascade_attn,
+                         cuda_graph_sizes=cuda_graph_sizes(args, device), max_model_len=budget.max_model_len)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
                 "maximum concurrency for %d tokens per request: %.2fx",
                 budget.num_blocks, args.block_size, budget.num_tokens,
@@ -164,6 +165,14 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
         from kvserve.engine.kv_transfer import engine_fingerprint
         fingerprint = engine_fingerprint(args, cfg, loaded.weights, dtype, runner.kv_cache)
     return EngineSetup(cfg, tokenizer, runner, budget, fingerprint)
+
+
+def cuda_graph_sizes(args: EngineArgs, device: torch.device) -> list[int]:
+    """Decode batch sizes to capture as CUDA graphs: none on CPU or with --enforce-eager."""
+    if device.type != "cuda" or args.enforce_eager:
+        return []
+    from kvserve.engine.cuda_graph import capture_sizes
+    return capture_sizes(min(args.max_num_seqs, args.max_cudagraph_capture_size))
 
 
 def _log_residual_pool(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, budget: KVBudget) -> None:

@@ -5,10 +5,13 @@ The torch versions are transformers' arithmetic in as few ops as torch allows. F
 with AVX512-BF16 each step is also one pass of compiled code (csrc/elementwise_bf16.cpp, built
 with the attention kernels): torch runs an RMSNorm as ~8 small ops, and at decode sizes their
 dispatch and memory passes, not the arithmetic, are the cost; at prefill sizes, the passes over
-memory. The compiled passes round to bf16 where torch's ops do. float32 always takes the torch ops: it is the reference dtype, token-exact
+memory. On CUDA, bf16 and fp16 take one Triton kernel per step (fused_triton.py) for the same
+reason: a GPU kernel's fixed cost. The compiled passes round to bf16 where torch's ops do. float32 always takes the torch ops: it is the reference dtype, token-exact
 against transformers.
 """
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -36,14 +39,21 @@ class ElementwiseOps:
 
     def __init__(self, dtype: torch.dtype, device: torch.device | str) -> None:
         self._add_rms_norm = self._rope = self._silu_mul = None
-        if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        self._triton = None  # fused_triton, on CUDA
+        dev = torch.device(device)
+        if dtype == torch.bfloat16 and dev.type == "cpu":
             from kvserve.model.attention.cpu_kernel import elementwise_kernels
             self._add_rms_norm, self._rope, self._silu_mul = elementwise_kernels() or (None, None, None)
+        elif dtype in (torch.bfloat16, torch.float16) and dev.type == "cuda" and importlib.util.find_spec("triton"):
+            from kvserve.model import fused_triton
+            self._triton = fused_triton
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """h += delta in place (the residual stream; no add when delta is None), then a new
         tensor RMSNorm(h) * weight. h `[T, H]`."""
+        if self._triton is not None and self._triton.applies(h) and (delta is None or self._triton.applies(delta)):
+            return self._triton.add_rms_norm(h, delta, weight, eps)
         if (self._add_rms_norm is not None and h.is_contiguous() and weight.is_contiguous()
                 and (delta is None or (delta.dtype == h.dtype and delta.stride(-1) == 1))):
             out = torch.empty_like(h)
@@ -57,6 +67,10 @@ class ElementwiseOps:
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """`apply_rope(x, cos, sin_signed)`; the compiled pass rotates x in place and returns it."""
+        d = x.shape[-1]
+        if (self._triton is not None and x.stride(2) == 1 and x.stride(1) == d and d >= 2 and (d // 2) & (d // 2 - 1) == 0
+                and cos.is_contiguous() and sin_signed.is_contiguous()):
+            return self._triton.rope(x, cos, sin_signed)
         if (self._rope is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
                 and cos.is_contiguous() and sin_signed.is_contiguous()):
             t, heads, d = x.shape
@@ -68,6 +82,8 @@ class ElementwiseOps:
         """SiLU(gate) * up for gate_up `[T, 2I]` = (gate | up), as a new `[T, I]` tensor; the
         compiled pass reads gate_up once instead of torch's two passes."""
         t, two_i = gate_up.shape
+        if self._triton is not None and self._triton.applies(gate_up) and two_i % 2 == 0:
+            return self._triton.silu_mul(gate_up)
         if self._silu_mul is not None and gate_up.stride(1) == 1 and two_i % 2 == 0:
             out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
             self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, two_i // 2)

@@ -2,8 +2,9 @@
 
 Same interface and semantics as the torch backend (see base.py): every layer first writes the
 step's K/V into the pool (`reshape_and_cache_kernel`), then all 1-token chunks go through ONE
-decode launch and all longer chunks through ONE varlen prefill launch; both read K/V through
-the block tables in place, with no gather copy. Sliding window: a key at `kp` is visible from a
+decode launch (two where a small batch splits each decode's keys into ranges, flash-decoding,
+plus a combining launch) and all longer chunks through ONE varlen prefill launch; both read
+K/V through the block tables in place, with no gather copy. Sliding window: a key at `kp` is visible from a
 query at `qp` only when `0 <= qp - kp < window`.
 
 This module imports without triton and without CUDA; `triton_support(device)` says whether the
@@ -40,6 +41,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs; tiles are padded up to it.
 _MIN_DOT_DIM = 16
+# Flash-decoding: split a decode's keys until the batch has this many (sequence, kv head,
+# split) programs per SM, at most MAX_DECODE_SPLITS ranges (bench/NOTES.md, session 14).
+DECODE_PROGRAMS_PER_SM = 4
+MAX_DECODE_SPLITS = 32
 
 
 @dataclass(frozen=True)
@@ -111,9 +116,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, *, device: torch.device | str = "cuda",
-                 block_m: int | None = None, block_n: int | None = None) -> None:
+                 block_m: int | None = None, block_n: int | None = None,
+                 max_decode_splits: int = MAX_DECODE_SPLITS) -> None:
         """`block_m` query rows and `block_n` keys per prefill tile (powers of two >= 16; the
-        decode tile uses `block_n`). Defaults: 64, or 32 for head_dim > 128 (shared memory)."""
+        decode tile uses `block_n`). Defaults: 64, or 32 for head_dim > 128 (shared memory).
+        `max_decode_splits`: most key ranges a decode is split over (1: never split)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -131,6 +138,13 @@ class TritonAttentionBackend(AttentionBackend):
         for name, val in (("block_m", self.block_m), ("block_n", self.block_n)):
             if val < _MIN_DOT_DIM or val & (val - 1):
                 raise ValueError(f"{name} must be a power of two >= {_MIN_DOT_DIM}, got {val}")
+        if max_decode_splits < 1:
+            raise ValueError(f"max_decode_splits must be >= 1, got {max_decode_splits}")
+        self.max_decode_splits = max_decode_splits
+        # Under the interpreter there is no GPU to size for: 16 stands in, so small test batches split.
+        dev = torch.device(device)
+        self.num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+                        if self.mode == "cuda" else 16)
         self.window = sliding_window or 0  # 0: no window (constexpr-friendly)
         self.qk_scale_log2 = float(scale) * _LOG2E
 
@@ -204,18 +218,42 @@ class TritonAttentionBackend(AttentionBackend):
             NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=k_pool.shape[1],
             H_PAD=_pow2_at_least(self.num_kv_heads), D_PAD=_pow2_at_least(self.head_dim))
 
+    def decode_splits(self, num_decodes: int) -> int:
+        """Key ranges each decode's attention is split over (flash-decoding): enough programs
+        for DECODE_PROGRAMS_PER_SM on every SM, a power of two up to max_decode_splits. It
+        depends on the batch size alone, not on the contexts, so a CUDA graph can hold it."""
+        programs = num_decodes * self.num_kv_heads
+        want = max(1, self.num_sms * DECODE_PROGRAMS_PER_SM // max(programs, 1))
+        return min(1 << (want.bit_length() - 1), self.max_decode_splits)
+
     def decode(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
                token_rows: torch.Tensor) -> None:
         """Attention of the single query row `token_rows[i]` of each sequence `seq_ids[i]`
         (at position `seq_lens[seq] - 1`) over keys `0 .. seq_lens[seq] - 1`."""
-        grid = (seq_ids.numel(), self.num_kv_heads)
-        self._kernels.paged_decode_kernel[grid](
-            out, q, k_pool, v_pool, block_tables, seq_lens, seq_ids, token_rows,
-            self.qk_scale_log2, *q.stride(), *out.stride(), *k_pool.stride(), block_tables.stride(0),
+        n = seq_ids.numel()
+        common = dict(GROUP=self.group, GROUP_PAD=self.group_pad, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
+                      BLOCK_SIZE=k_pool.shape[1], BLOCK_N=self.block_n, SLIDING_WINDOW=self.window,
+                      **self._dot_options(q))
+        splits = self.decode_splits(n)
+        if splits == 1:
+            self._kernels.paged_decode_kernel[(n, self.num_kv_heads)](
+                out, q, k_pool, v_pool, block_tables, seq_lens, seq_ids, token_rows,
+                self.qk_scale_log2, *q.stride(), *out.stride(), *k_pool.stride(), block_tables.stride(0),
+                **common)
+            return
+        parts = (n, self.num_kv_heads, splits, self.group_pad)
+        m = torch.empty(parts, dtype=torch.float32, device=q.device)
+        l_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
+        acc = torch.empty(*parts, self.d_pad, dtype=torch.float32, device=q.device)
+        self._kernels.paged_decode_split_kernel[(n, self.num_kv_heads, splits)](
+            m, l_sum, acc, q, k_pool, v_pool, block_tables, seq_lens, seq_ids, token_rows,
+            self.qk_scale_log2, *q.stride(), *k_pool.stride(), block_tables.stride(0),
+            NUM_SPLITS=splits, **common)
+        self._kernels.paged_decode_reduce_kernel[(n, self.num_kv_heads)](
+            out, m, l_sum, acc, token_rows, *out.stride(),
             GROUP=self.group, GROUP_PAD=self.group_pad, HEAD_DIM=self.head_dim, D_PAD=self.d_pad,
-            BLOCK_SIZE=k_pool.shape[1], BLOCK_N=self.block_n, SLIDING_WINDOW=self.window,
-            **self._dot_options(q))
+            NUM_SPLITS=splits, SPLITS_PAD=_pow2_at_least(splits, 2))
 
     def prefill(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,

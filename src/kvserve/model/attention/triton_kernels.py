@@ -11,6 +11,9 @@ The kernels tile keys by `BLOCK_N` positions, independent of the cache block siz
 the block of every key position; that keeps `tl.dot` shapes legal for block sizes below 16 and
 lets one compiled kernel serve every block size's table walk.
 
+The block tables' row stride (the step's longest table) changes from step to step; it is not
+specialised on (`do_not_specialize`), or each new value divisible by 16 would compile again.
+
 Softmax is the online (flash) form in float32 with base-2 exponentials: the caller passes
 `scale * log2(e)`. Running maxima start at a large finite negative, not -inf, so a tile where a
 row sees no key yields exp2(-inf - finite) = 0 instead of NaN.
@@ -98,7 +101,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_decode_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     seq_ids_ptr, token_rows_ptr,
@@ -143,7 +146,7 @@ def paged_decode_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, seq_ids_ptr,
@@ -198,3 +201,92 @@ def paged_prefill_kernel(
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
              acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def paged_decode_split_kernel(
+    m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    seq_ids_ptr, token_rows_ptr,
+    qk_scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Flash-decoding: `paged_decode_kernel` over one of NUM_SPLITS consecutive key ranges.
+    One program per (decode sequence, kv head, split); it writes its running max, sum and
+    unnormalised output rows to the partials, which `paged_decode_reduce_kernel` combines.
+    Splitting gives a small batch enough programs to keep every SM reading K/V."""
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(seq_ids_ptr + i).to(tl.int64)
+    row = tl.load(token_rows_ptr + i).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    q_last = seq_len - 1
+
+    r = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + r
+    d = tl.arange(0, D_PAD)
+    q_mask = (r < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int64) + q_last
+
+    m_i = tl.zeros([GROUP_PAD], dtype=tl.float32) + NEG_BIG
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    lo = 0
+    if SLIDING_WINDOW > 0:
+        lo = tl.maximum(q_last - SLIDING_WINDOW + 1, 0)
+    # Whole BLOCK_N tiles per split, so splits never share a tile.
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(seq_len - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    table_row = block_tables_ptr + seq * stride_bt
+    for k_start in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, k_start, q_pos,
+            end, stride_cb, stride_cs, stride_ch, stride_cd, qk_scale_log2,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, PRECISION, DOT_FP32)
+    part = (i * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
+    keep = r < GROUP
+    tl.store(m_ptr + part * GROUP_PAD + r, m_i, mask=keep)
+    tl.store(l_ptr + part * GROUP_PAD + r, l_i, mask=keep)
+    tl.store(acc_ptr + (part * GROUP_PAD + r[:, None]) * D_PAD + d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    out_ptr, m_ptr, l_ptr, acc_ptr, token_rows_ptr,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Combine one (decode sequence, kv head)'s split partials: each split's sum and output
+    rescaled by 2^(its max - the overall max). An empty split (max NEG_BIG, sum 0) adds 0."""
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tl.load(token_rows_ptr + i).to(tl.int64)
+    first = (i * tl.num_programs(1) + kv_head) * NUM_SPLITS
+    r = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    s = tl.arange(0, SPLITS_PAD)
+    m_all = tl.load(m_ptr + (first + s[:, None]) * GROUP_PAD + r[None, :],
+                    mask=(s < NUM_SPLITS)[:, None] & (r < GROUP)[None, :], other=NEG_BIG)
+    m = tl.max(m_all, axis=0)  # [GROUP_PAD]
+    l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    keep = r < GROUP
+    for split in range(NUM_SPLITS):
+        part = first + split
+        m_s = tl.load(m_ptr + part * GROUP_PAD + r, mask=keep, other=NEG_BIG)
+        w = tl.exp2(m_s - m)
+        l_sum += tl.load(l_ptr + part * GROUP_PAD + r, mask=keep, other=0.0) * w
+        acc += tl.load(acc_ptr + (part * GROUP_PAD + r[:, None]) * D_PAD + d[None, :],
+                       mask=keep[:, None], other=0.0) * w[:, None]
+    acc = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    heads = kv_head * GROUP + r
+    tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             acc.to(out_ptr.dtype.element_ty), mask=keep[:, None] & (d < HEAD_DIM)[None, :])
