@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from kvserve.cli import build_parser, engine_args_from
 from kvserve.config import ConfigError, EngineArgs
 from kvserve.engine.async_engine import StepEvent
-from kvserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, RequestProgress
 from kvserve.server.auth import Authenticator, effective_cache_salt, load_api_keys
 from kvserve.server.metrics import ServerMetrics, build_1_2_5_buckets
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -68,7 +68,7 @@ def test_unimplemented_or_bad_flags_are_refused(argv, needle, capsys):
 
 
 def test_tensor_parallel_size_one_is_accepted():
-    ns = parse("serve", "--tensor-parallel-size", "1", "--enforce-eager")
+    ns = parse("serve", "--tensor-parallel-size", "1", "--trust-remote-code")
     assert engine_args_from(ns) == _validated(EngineArgs())
 
 
@@ -252,3 +252,22 @@ def test_inter_token_latency_from_streamed_outputs():
 
 def test_token_buckets():
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_inter_token_latency_of_a_request_whose_output_waits_for_the_end():
+    """A non-streamed request (FINAL_ONLY) has no output until it finishes; the engine's
+    per-step RequestProgress still gives TTFT and every inter-token gap, counted once."""
+    m = ServerMetrics("m", 64)
+    m(StepEvent(stats(), [], [], 0.2, progress=[RequestProgress("r", 1, 0.0, 0.2, 0.2)]))
+    m(StepEvent(stats(), [], [], 0.5, progress=[RequestProgress("r", 2, 0.0, 0.2, 0.5)]))
+    met = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=0.2,
+                         last_token_time=0.9, finished_time=0.9)
+    out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "abc", [7, 8, 9], finish_reason="length")],
+                        True, 0, met)
+    m(StepEvent(stats(), [out], [], 0.9, progress=[RequestProgress("r", 3, 0.0, 0.2, 0.9)]))
+    s = parse_metrics(generate_latest(m.registry).decode())
+    assert s['vllm:inter_token_latency_seconds_count{model_name="m"}'] == 2
+    assert s['vllm:inter_token_latency_seconds_sum{model_name="m"}'] == pytest.approx(0.7)
+    assert s['vllm:time_to_first_token_seconds_count{model_name="m"}'] == 1
+    assert s['vllm:request_generation_tokens_sum{model_name="m"}'] == 3
+    assert s['vllm:request_success_total{finished_reason="length",model_name="m"}'] == 1

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,9 @@ class StepEvent:
     aborted: list[str]  # request ids aborted by their clients during this iteration
     now: float  # time.monotonic() when the iteration ended
     num_step_errors: int = 0  # steps that raised since start
+    # Every request the step gave tokens to (RequestProgress), including those whose output is
+    # held back until they finish (non-streaming requests): per-token metrics come from here.
+    progress: list = field(default_factory=list)
 
 
 StepListener = Callable[[StepEvent], None]
@@ -299,16 +302,18 @@ class AsyncLLM:
             for command in commands:
                 command()
             outputs: list = []
+            progress: list = []
             if self.engine.has_unfinished_requests():
                 started = time.monotonic()
                 outputs = self._step()
+                progress = self.engine.last_step_progress
                 if not outputs and time.monotonic() - started < 1e-3:
                     # Nothing could be scheduled (no forward ran): back off briefly instead of
                     # spinning, which would starve the event loop of the GIL.
                     with self._cv:
                         if not self._commands:
                             self._cv.wait(0.005)
-            self._publish(outputs)
+            self._publish(outputs, progress)
         self._fail_all(EngineDeadError("the server is shutting down"))
         logger.info("engine loop stopped")
 
@@ -344,13 +349,14 @@ class AsyncLLM:
         streams, self._streams = self._streams, {}
         _deliver([(stream, error) for stream in streams.values()])
 
-    def _publish(self, outputs: list) -> None:
+    def _publish(self, outputs: list, progress: list) -> None:
         try:
             self.latest_stats = self.engine.get_stats()
         except Exception:
             logger.exception("get_stats failed")
             return
-        event = StepEvent(self.latest_stats, outputs, self._aborted, time.monotonic(), self.num_step_errors)
+        event = StepEvent(self.latest_stats, outputs, self._aborted, time.monotonic(), self.num_step_errors,
+                          progress)
         self._aborted = []
         for listener in self.step_listeners:
             try:

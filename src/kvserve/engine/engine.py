@@ -23,7 +23,7 @@ from typing import Iterable
 from kvserve.config import ConfigError, EngineArgs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError,
-                                    RequestMetrics, RequestOutput)
+                                    RequestMetrics, RequestOutput, RequestProgress)
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -129,6 +129,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.num_steps = 0  # forwards run, and the tokens the last one computed (vllm:iteration_tokens_total)
         self.last_step_tokens = 0
+        # The requests the last step gave tokens to, outputs or not (server metrics read it).
+        self.last_step_progress: list[RequestProgress] = []
 
     def _sampling_defaults(self, args: EngineArgs) -> dict:
         """The generation_config.json sampling values: the model's (--generation-config auto), a
@@ -280,6 +282,7 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.last_step_progress = []
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for entry in sched.scheduled:
@@ -332,8 +335,20 @@ class LLMEngine:
                 req.finished_time = now
             group = self._group_of[req.request_id]
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
+        self.last_step_progress = [self._progress(g) for g in groups.values()]
         return [self._make_output(g) for g in groups.values()
                 if g.output_kind != RequestOutputKind.FINAL_ONLY or all(s.req.is_finished for s in g.seqs)]
+
+    @staticmethod
+    def _progress(group: _Group) -> RequestProgress:
+        if len(group.seqs) == 1:
+            r = group.seqs[0].req
+            return RequestProgress(group.request_id, r.num_output_tokens, group.arrival_time,
+                                   r.first_token_time, r.last_token_time)
+        firsts = [s.req.first_token_time for s in group.seqs if s.req.first_token_time is not None]
+        lasts = [s.req.last_token_time for s in group.seqs if s.req.last_token_time is not None]
+        return RequestProgress(group.request_id, sum(s.req.num_output_tokens for s in group.seqs),
+                               group.arrival_time, min(firsts, default=None), max(lasts, default=None))
 
     def _add_prompt_logprobs(self, seq: _Sequence, chunk) -> None:
         """File a prefill chunk's prompt logprobs by position (a recomputed chunk overwrites)."""

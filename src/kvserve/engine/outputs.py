@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class RequestError(ValueError):
@@ -42,6 +43,16 @@ class CompletionOutput:
 
     def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
+
+
+class RequestProgress(NamedTuple):
+    """A request that gained tokens in a step: what per-token metrics (TTFT, inter-token latency)
+    need, without building its output (a FINAL_ONLY request has none until it finishes)."""
+    request_id: str
+    num_tokens: int  # output tokens so far, over all its sequences
+    arrival_time: float
+    first_token_time: float | None
+    last_token_time: float | None
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kvserve.engine.async_engine import StepEvent
+from kvserve.engine.outputs import RequestProgress
 
 logger = logging.getLogger("kvserve.stats")
 
@@ -226,29 +227,39 @@ class ServerMetrics:
         self._advance("kod", self.offload_dropped.labels(m), getattr(s, "kv_offload_dropped_blocks", 0))
         self._advance("nsp", self.swapped_preemptions.labels(m), getattr(s, "num_swapped_preemptions", 0))
 
-    def observe_output(self, out, now: float) -> None:
-        m, t = self.model_name, out.metrics
-        num_tokens = sum(len(o.token_ids) for o in out.outputs)
-        prog = self._progress.get(out.request_id)
+    def observe_progress(self, p: RequestProgress, now: float) -> None:
+        """Per-token metrics of a request that gained tokens: TTFT once, then inter-token gaps."""
+        m = self.model_name
+        prog = self._progress.get(p.request_id)
         if prog is None:
-            prog = self._progress[out.request_id] = _RequestProgress(None, 0)
-        if num_tokens > prog.num_tokens:
-            token_time = t.last_token_time if t.last_token_time is not None else now
+            prog = self._progress[p.request_id] = _RequestProgress(None, 0)
+        if p.num_tokens > prog.num_tokens:
+            token_time = p.last_token_time if p.last_token_time is not None else now
             if prog.last_token_time is None:
-                if t.first_token_time is not None:
-                    self.ttft.labels(m).observe(max(0.0, t.first_token_time - t.arrival_time))
+                if p.first_token_time is not None:
+                    self.ttft.labels(m).observe(max(0.0, p.first_token_time - p.arrival_time))
             else:
                 gap = max(0.0, token_time - prog.last_token_time)
                 self.itl.labels(m).observe(gap)
                 self.tpot.labels(m).observe(gap)
-            prog.last_token_time, prog.num_tokens = token_time, num_tokens
-        if not out.finished:
-            return
-        del self._progress[out.request_id]
+            prog.last_token_time, prog.num_tokens = token_time, p.num_tokens
+
+    def observe_output(self, out, now: float) -> None:
+        """A request's output: per-token metrics (when no RequestProgress reported them), and
+        request-level metrics once it has finished."""
+        t = out.metrics
+        self.observe_progress(RequestProgress(out.request_id, sum(len(o.token_ids) for o in out.outputs),
+                                              t.arrival_time, t.first_token_time, t.last_token_time), now)
+        if out.finished:
+            self.observe_finished(out, now)
+
+    def observe_finished(self, out, now: float) -> None:
+        m, t = self.model_name, out.metrics
+        self._progress.pop(out.request_id, None)
         reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
         self.request_success.labels(m, reasons[0] if reasons else "abort").inc()
         self.req_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
-        self.req_gen_tokens.labels(m).observe(num_tokens)
+        self.req_gen_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
         longest = max((len(o.token_ids) for o in out.outputs), default=0)
         self.req_max_gen_tokens.labels(m).observe(longest)
         self.req_params_n.labels(m).observe(len(out.outputs))
@@ -270,8 +281,15 @@ class ServerMetrics:
     def __call__(self, event: StepEvent) -> None:
         """StepListener entry point."""
         self.observe_stats(event.stats)
+        reported = set()
+        for p in event.progress:
+            self.observe_progress(p, event.now)
+            reported.add(p.request_id)
         for out in event.outputs:
-            self.observe_output(out, event.now)
+            if out.request_id not in reported:
+                self.observe_output(out, event.now)
+            elif out.finished:
+                self.observe_finished(out, event.now)
         for request_id in event.aborted:
             self._progress.pop(request_id, None)
             self.request_success.labels(self.model_name, "abort").inc()

@@ -7,6 +7,7 @@ and the chat template's special tokens are decided in one place.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -16,7 +17,7 @@ from typing import AsyncIterator
 
 from kvserve.engine.async_engine import AsyncLLM, RequestStream
 from kvserve.engine.outputs import RequestError
-from kvserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.model.tokenizer import TokenizerError
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
@@ -174,6 +175,10 @@ class OpenAIServing:
         admitted = _Admitted(f"{prefix}-{uuid.uuid4().hex}", [])
         try:
             for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
+                if not req.stream:
+                    # Nothing reads a non-streamed request's output before it finishes: the engine
+                    # builds none (RequestProgress still carries its per-token metrics).
+                    params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 rid = admitted.request_id if len(prompts) == 1 else f"{admitted.request_id}-{i}"
                 if self.config.enable_log_requests:
                     text = self.tokenizer.decode(ids, skip_special_tokens=False)[:self.config.max_log_len]
