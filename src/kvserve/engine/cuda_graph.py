@@ -33,7 +33,8 @@ _IDS, _POS, _SLOT, _LEN = range(4)
 
 
 def capture_sizes(max_size: int) -> list[int]:
-    """vLLM's batch sizes: 1, 2, 4, then every multiple of 8 up to max_size (and max_size)."""
+    """1, 2, 4, then every multiple of 8 up to max_size, and max_size itself (vLLM's list, without
+    its step to multiples of 16 past 256: one graph is cheap here, and padding up to 15 rows is not)."""
     sizes = [s for s in (1, 2, 4) if s <= max_size] + list(range(8, max_size + 1, 8))
     if max_size not in sizes:
         sizes.append(max_size)

@@ -6,8 +6,8 @@ with AVX512-BF16 each step is also one pass of compiled code (csrc/elementwise_b
 with the attention kernels): torch runs an RMSNorm as ~8 small ops, and at decode sizes their
 dispatch and memory passes, not the arithmetic, are the cost; at prefill sizes, the passes over
 memory. On CUDA, bf16 and fp16 take one Triton kernel per step (fused_triton.py) for the same
-reason: a GPU kernel's fixed cost. The compiled passes round to bf16 where torch's ops do. float32 always takes the torch ops: it is the reference dtype, token-exact
-against transformers.
+reason: a GPU kernel's fixed cost. The compiled passes round to bf16 where torch's ops do.
+float32 always takes the torch ops: it is the reference dtype, token-exact against transformers.
 """
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ class ElementwiseOps:
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """`apply_rope(x, cos, sin_signed)`; the compiled pass rotates x in place and returns it."""
         d = x.shape[-1]
-        if (self._triton is not None and x.stride(2) == 1 and x.stride(1) == d and d >= 2 and (d // 2) & (d // 2 - 1) == 0
+        half = d // 2  # fused_triton's rotary tiles a half head: a power of two
+        if (self._triton is not None and x.stride(2) == 1 and x.stride(1) == d and half and half & (half - 1) == 0
                 and cos.is_contiguous() and sin_signed.is_contiguous()):
             return self._triton.rope(x, cos, sin_signed)
         if (self._rope is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]

@@ -2,10 +2,10 @@
 
 Same interface and semantics as the torch backend (see base.py): every layer first writes the
 step's K/V into the pool (`reshape_and_cache_kernel`), then all 1-token chunks go through ONE
-decode launch (two where a small batch splits each decode's keys into ranges, flash-decoding,
-plus a combining launch) and all longer chunks through ONE varlen prefill launch; both read
-K/V through the block tables in place, with no gather copy. Sliding window: a key at `kp` is visible from a
-query at `qp` only when `0 <= qp - kp < window`.
+decode launch (a small batch splits each decode's keys into ranges, flash-decoding, and a
+second launch combines them) and all longer chunks through ONE varlen prefill launch; both read
+K/V through the block tables in place, with no gather copy. Sliding window: a key at `kp` is
+visible from a query at `qp` only when `0 <= qp - kp < window`.
 
 This module imports without triton and without CUDA; `triton_support(device)` says whether the
 backend can run and, if not, what to change. On CPU the kernels run only under triton's
