@@ -145,3 +145,23 @@ def test_latency_percentiles_and_shared_prefix_spread():
     assert s.p99 == pytest.approx(99.01)
     for fraction in (0.0, 0.25, 0.5, 1 / 3, 1.0):
         assert sum(is_shared(i, fraction) for i in range(300)) == round(300 * fraction)
+
+
+def test_client_lanes_one_client_per_request_in_flight():
+    """bench serve's clients: concurrent lanes get distinct clients (one connection each, so
+    httpx's pool never re-scans many), a finished lane's client is reused, aclose closes all."""
+    import asyncio
+
+    from kvserve.tools.bench_serve import ClientLanes
+
+    async def run():
+        lanes = ClientLanes(base_url="http://127.0.0.1:9")
+        async with lanes.lane() as a, lanes.lane() as b:
+            assert a is not b
+        async with lanes.lane() as c:
+            assert c in (a, b)
+        await lanes.aclose()
+        return a, b
+
+    a, b = asyncio.run(run())
+    assert a.is_closed and b.is_closed
