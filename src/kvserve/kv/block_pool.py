@@ -49,6 +49,9 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.children: dict[bytes, dict[int, Block]] = {}
         self.num_cached_free = 0  # blocks with ref 0 that still hold content
+        # Slots holding K/V in blocks in use (ref > 0), kept as they change: token occupancy in
+        # O(1) each step, where summing it meant walking every block of every request.
+        self.num_filled_used = 0
         self.num_evictions = 0
         self.on_evict = on_evict  # called before a cached block's content is dropped (offload tiers)
 
@@ -83,7 +86,13 @@ class BlockPool:
             del self.free_queue[block.block_id]
             if block.has_content:
                 self.num_cached_free -= 1
+            self.num_filled_used += block.num_filled
         block.ref_cnt += 1
+
+    def set_filled(self, block: Block, num_filled: int) -> None:
+        """The block's slots holding K/V (a block in use)."""
+        self.num_filled_used += num_filled - block.num_filled
+        block.num_filled = num_filled
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference on each block. Callers pass a request's blocks tail first, so that
@@ -93,6 +102,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                self.num_filled_used -= block.num_filled
                 if block.has_content:
                     self.free_queue[block.block_id] = block
                     self.num_cached_free += 1

@@ -300,7 +300,7 @@ class KVCacheManager:
             return
         if not self.enable_caching:
             for i in range(start // bs, (end - 1) // bs + 1):
-                blocks[i].num_filled = min(bs, end - i * bs)
+                self.pool.set_filled(blocks[i], min(bs, end - i * bs))
             self._committed[req.request_id] = end
             return
         tokens = req.all_token_ids
@@ -309,7 +309,7 @@ class KVCacheManager:
         for i in range(start // bs, (end - 1) // bs + 1):
             block = blocks[i]
             lo, hi = i * bs, min((i + 1) * bs, end)
-            block.num_filled = hi - lo
+            self.pool.set_filled(block, hi - lo)
             if block.block_hash is not None:
                 continue  # a shared cached block: already complete
             self.pool.record_tokens(block, hashes[i - 1] if i else root, tokens[lo:hi])
@@ -342,13 +342,7 @@ class KVCacheManager:
     def usage(self) -> "KVUsage":
         pool = self.pool
         used = pool.num_used_blocks
-        seen: set[int] = set()
-        filled = 0
-        for blocks in self.req_blocks.values():
-            for b in blocks:
-                if b.block_id not in seen:
-                    seen.add(b.block_id)
-                    filled += b.num_filled
+        filled = pool.num_filled_used
         return KVUsage(
             num_blocks=pool.num_blocks, num_used=used, num_cached=pool.num_cached_free,
             num_free=pool.num_free_blocks - pool.num_cached_free,
@@ -384,6 +378,8 @@ class KVCacheManager:
         for h, b in pool.cached.items():
             assert b.block_hash == h
         used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+        filled = sum(b.num_filled for b in pool.blocks if b.ref_cnt > 0)
+        assert pool.num_filled_used == filled, f"filled slots counted {pool.num_filled_used}, held {filled}"
         free = pool.num_free_blocks - num_cached
         assert free + used + num_cached == pool.num_blocks, (free, used, num_cached, pool.num_blocks)
 
