@@ -31,9 +31,10 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 def extend_block_hashes(hashes: list[bytes], root: bytes, token_ids: Sequence[int],
-                        block_size: int) -> list[bytes]:
-    """Append the hashes of every full block of `token_ids` not yet in `hashes` (in place)."""
-    num_full = len(token_ids) // block_size
+                        block_size: int, num_tokens: int | None = None) -> list[bytes]:
+    """Append the hashes of every full block of `token_ids[:num_tokens]` (default: all) not yet
+    in `hashes` (in place). `num_tokens` spares the caller a copy of a long token list."""
+    num_full = (len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))) // block_size
     parent = hashes[-1] if hashes else root
     for i in range(len(hashes), num_full):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])

@@ -305,7 +305,7 @@ class KVCacheManager:
             return
         tokens = req.all_token_ids
         root = self._root(req)
-        hashes = extend_block_hashes(req.block_hashes, root, tokens[:end], bs)
+        hashes = extend_block_hashes(req.block_hashes, root, tokens, bs, end)
         for i in range(start // bs, (end - 1) // bs + 1):
             block = blocks[i]
             lo, hi = i * bs, min((i + 1) * bs, end)
