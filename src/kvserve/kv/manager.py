@@ -78,6 +78,10 @@ class KVCacheManager:
         offload = tiers is not None and enable_caching and bool(tiers.tiers)
         self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict if offload else on_evict)
         self.req_blocks: dict[str, list[Block]] = {}
+        # Each request's block ids, extended as its blocks are (a request's blocks are only ever
+        # appended, and dropped all at once): block_table() copies a list of ints instead of
+        # reading every Block object every step.
+        self._block_ids: dict[str, list[int]] = {}
         self._roots: dict[str, bytes] = {}
         self._committed: dict[str, int] = {}  # tokens recorded into blocks, per request
         self._copies: list[BlockCopy] = []
@@ -319,6 +323,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)
+        self._block_ids.pop(req.request_id, None)
         self._committed.pop(req.request_id, None)
         self._tier_memo.pop(req.request_id, None)
         if blocks:
@@ -333,7 +338,13 @@ class KVCacheManager:
             self.tiers.discard(swapped.keys)
 
     def block_table(self, req: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return []
+        ids = self._block_ids.setdefault(req.request_id, [])
+        if len(ids) < len(blocks):
+            ids.extend(b.block_id for b in blocks[len(ids):])
+        return list(ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -356,8 +367,12 @@ class KVCacheManager:
         for rid, blocks in self.req_blocks.items():
             ids = [b.block_id for b in blocks]
             assert len(ids) == len(set(ids)), f"request {rid} holds a block twice: {ids}"
+            known = self._block_ids.get(rid, [])
+            assert ids[:len(known)] == known, f"request {rid}: block ids {known} noted, holds {ids}"
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        stale = set(self._block_ids) - set(self.req_blocks)
+        assert not stale, f"block ids kept for requests holding no blocks: {sorted(stale)}"
         num_cached = 0
         for b in pool.blocks:
             assert b.ref_cnt >= 0, f"block {b.block_id} has negative ref_cnt {b.ref_cnt}"
