@@ -23,6 +23,7 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.attention.triton_backend import interpreter_enabled  # noqa: E402
 
 from attention_cases import HEADS, assert_matches, greedy_generate, run_step  # noqa: E402
+from test_engine_fidelity import GEN, greedy, rand_prompts, tiny  # noqa: E402,F401 (tiny: fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -99,27 +100,6 @@ def test_tiny_model_cuda_matches_cpu_torch_backend(tmp_path) -> None:
 
 
 # -- the engine on the GPU --
-
-GEN = 12
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from hf_reference import load_hf
-    from tiny_models import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny"), kind="llama_gqa")
-    return path, load_hf(path)
-
-
-def greedy(n: int = GEN) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def rand_prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
 
 def generate(llm: LLM, prompts: list[list[int]], n: int = GEN) -> list[list[int]]:
     outs = llm.generate(prompts, greedy(n), use_tqdm=False)

@@ -101,19 +101,19 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
-def paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    seq_ids_ptr, token_rows_ptr,
-    qk_scale_log2,
-    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+@triton.jit
+def _decode_range(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_ids_ptr, token_rows_ptr,
+    qk_scale_log2, stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt, split,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """One program per (decode sequence, kv head): the GROUP query heads sharing that kv head
-    are the rows of one tile, so each K/V block is read once for all of them (GQA)."""
+    """Program (decode i, kv head)'s attention over key range `split` of NUM_SPLITS (1: every
+    key): the GROUP query heads sharing that kv head are the rows of one tile, so each K/V block
+    is read once for all of them (GQA). Returns the query's token row and the rows' running
+    (max, sum, unnormalised output)."""
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(seq_ids_ptr + i).to(tl.int64)
@@ -135,15 +135,42 @@ def paged_decode_kernel(
     lo = 0
     if SLIDING_WINDOW > 0:
         lo = tl.maximum(q_last - SLIDING_WINDOW + 1, 0)
+    # Whole BLOCK_N tiles per split, so splits never share a tile; one split ends at seq_len.
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(seq_len - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
     table_row = block_tables_ptr + seq * stride_bt
-    for k_start in range(lo, seq_len, BLOCK_N):
+    for k_start in range(start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, k_start, q_pos,
-            seq_len, stride_cb, stride_cs, stride_ch, stride_cd, qk_scale_log2,
+            end, stride_cb, stride_cs, stride_ch, stride_cd, qk_scale_log2,
             HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, PRECISION, DOT_FP32)
+    return row, m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def paged_decode_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    seq_ids_ptr, token_rows_ptr,
+    qk_scale_log2,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """One program per (decode sequence, kv head), over all its keys (`_decode_range`)."""
+    row, m_i, l_i, acc = _decode_range(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_ids_ptr, token_rows_ptr,
+        qk_scale_log2, stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd,
+        stride_bt, 0, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, 1,
+        PRECISION, DOT_FP32)
+    r = tl.arange(0, GROUP_PAD)
+    heads = tl.program_id(1) * GROUP + r
+    d = tl.arange(0, D_PAD)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
-             acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+             acc.to(out_ptr.dtype.element_ty), mask=(r < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -218,39 +245,15 @@ def paged_decode_split_kernel(
     One program per (decode sequence, kv head, split); it writes its running max, sum and
     unnormalised output rows to the partials, which `paged_decode_reduce_kernel` combines.
     Splitting gives a small batch enough programs to keep every SM reading K/V."""
-    i = tl.program_id(0)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = tl.load(seq_ids_ptr + i).to(tl.int64)
-    row = tl.load(token_rows_ptr + i).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    q_last = seq_len - 1
-
+    _, m_i, l_i, acc = _decode_range(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, seq_ids_ptr, token_rows_ptr,
+        qk_scale_log2, stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd,
+        stride_bt, split, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW,
+        NUM_SPLITS, PRECISION, DOT_FP32)
     r = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + r
     d = tl.arange(0, D_PAD)
-    q_mask = (r < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)
-    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int64) + q_last
-
-    m_i = tl.zeros([GROUP_PAD], dtype=tl.float32) + NEG_BIG
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    lo = 0
-    if SLIDING_WINDOW > 0:
-        lo = tl.maximum(q_last - SLIDING_WINDOW + 1, 0)
-    # Whole BLOCK_N tiles per split, so splits never share a tile.
-    per_split = tl.cdiv(tl.cdiv(tl.maximum(seq_len - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
-    end = tl.minimum(start + per_split, seq_len)
-    table_row = block_tables_ptr + seq * stride_bt
-    for k_start in range(start, end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, k_start, q_pos,
-            end, stride_cb, stride_cs, stride_ch, stride_cd, qk_scale_log2,
-            HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, PRECISION, DOT_FP32)
-    part = (i * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
+    part = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * NUM_SPLITS + split
     keep = r < GROUP
     tl.store(m_ptr + part * GROUP_PAD + r, m_i, mask=keep)
     tl.store(l_ptr + part * GROUP_PAD + r, l_i, mask=keep)
