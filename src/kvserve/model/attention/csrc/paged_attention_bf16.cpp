@@ -488,7 +488,34 @@ void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t
 #undef KVS_TILE
 }
 
-struct WorkItem { int seq; int h; int tok0; int ntok; };
+struct WorkItem { int seq; int h; int tok0; int ntok; int part = -1; };  // part: of a split decode
+struct SplitDecode { int seq; int parts; int slot0; };  // parts' states in slots slot0 ..
+
+constexpr int64_t SPLIT_MIN = 256;  // keys per part of a split decode, at least
+
+// Keys [0, keys) cut into `parts` ranges on CHUNK boundaries; range `part`'s start.
+inline int64_t split_bound(int64_t keys, int parts, int part) {
+    return part == parts ? keys : (keys * part / parts) / CHUNK * CHUNK;
+}
+
+
+// Query head `row`'s output from the states its parts saved (base-2 maxima, sums, accumulators):
+// the online softmax's own combination step, once per part.
+template <int DH>
+inline void merge_split_row(float* const* part_state, int parts, int64_t row, uint16_t* dst) {
+    float mmax = -INFINITY;
+    for (int p = 0; p < parts; ++p) mmax = std::max(mmax, part_state[p][row * (DH + 2)]);
+    alignas(64) float acc[DH] = {};
+    float l = 0.f;
+    for (int p = 0; p < parts; ++p) {
+        const float* st = part_state[p] + row * (DH + 2);
+        if (st[0] == -INFINITY) continue;  // a part with no visible key
+        const float wgt = exp2f(st[0] - mmax);
+        l += st[1] * wgt;
+        for (int d = 0; d < DH; ++d) acc[d] += st[2 + d] * wgt;
+    }
+    store_output_row<DH>(acc, l, dst);
+}
 struct PrefixItem { int group; int h; int member0; int nmembers; };
 
 // Cascade ("shared prefix") decoding: decodes whose block tables start with the same physical
@@ -524,16 +551,48 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             for (int h = 0; h < hkv; ++h)
                 pitems.push_back({gi, h, m0, std::min(TILE, size - m0)});
     }
-    std::vector<float> states((size_t)nslots * hq * (DH + 2));
     std::vector<WorkItem> items;
     for (int i = 0; i < n; ++i)
         for (int t0 = 0; t0 < q_len[i]; t0 += TILE)
             for (int h = 0; h < hkv; ++h)
                 items.push_back({i, h, t0, (int)std::min<int64_t>(TILE, q_len[i] - t0)});
+    // Split decoding: with fewer items than two per thread (a small batch: one item per K/V
+    // head), a thread would stream a whole context alone while the others idle. The decodes'
+    // keys are then cut into parts of at least SPLIT_MIN keys, each part saves its softmax state
+    // as a cascade prefix does, and a last pass merges each row's parts.
+    const int nthreads = omp_get_max_threads();
+    std::vector<SplitDecode> splits;
+    if (items.size() < 2 * (size_t)nthreads && window == 0) {
+        const int want = (int)((2 * nthreads + items.size() - 1) / std::max<size_t>(items.size(), 1));
+        for (int i = 0; i < n; ++i) {
+            const int64_t keys = seq_lens[i] - prefix_of[i];
+            const int parts = (int)std::min<int64_t>(std::min(want, 64), keys / SPLIT_MIN);
+            if (q_len[i] != 1 || slot_of[i] >= 0 || parts < 2) continue;
+            splits.push_back({i, parts, nslots});
+            nslots += parts;
+        }
+    }
+    std::vector<int> split_of(n, -1);
+    for (size_t s = 0; s < splits.size(); ++s) split_of[splits[s].seq] = (int)s;
+    if (!splits.empty()) {
+        std::vector<WorkItem> kept;
+        for (const WorkItem& it : items) {
+            const int s = split_of[it.seq];
+            if (s < 0) { kept.push_back(it); continue; }
+            for (int part = 0; part < splits[s].parts; ++part) {
+                WorkItem p = it;
+                p.part = part;
+                kept.push_back(p);
+            }
+        }
+        items.swap(kept);
+    }
+    std::vector<float> states((size_t)nslots * hq * (DH + 2));
     // Costliest items first (prefill tiles over long contexts) so the dynamic schedule ends with
     // small ones and threads finish together.
     auto cost = [&](const WorkItem& it) {
-        return (int64_t)it.ntok * (seq_lens[it.seq] - q_len[it.seq] + it.tok0 + it.ntok - prefix_of[it.seq]);
+        const int64_t keys = seq_lens[it.seq] - q_len[it.seq] + it.tok0 + it.ntok - prefix_of[it.seq];
+        return (int64_t)it.ntok * (it.part >= 0 ? keys / splits[split_of[it.seq]].parts : keys);
     };
     std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
     #pragma omp parallel
@@ -579,9 +638,15 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
                 qrow[j] = q_start[it.seq] + it.tok0 + j;
                 qpos[j] = pos0 + j;
             }
-            int64_t key_begin = 0;
+            int64_t key_begin = 0, key_end = pos0 + it.ntok;
             Mode mode = NORMAL;
-            if (slot_of[it.seq] >= 0) {  // a decode whose prefix phase 1 covered
+            if (it.part >= 0) {  // a part of a split decode: its keys, state saved for the merge
+                const SplitDecode& sd = splits[split_of[it.seq]];
+                key_begin = split_bound(key_end, sd.parts, it.part);
+                key_end = split_bound(key_end, sd.parts, it.part + 1);
+                mode = STORE;
+                state[0] = states.data() + (size_t)(sd.slot0 + it.part) * hq * (DH + 2);
+            } else if (slot_of[it.seq] >= 0) {  // a decode whose prefix phase 1 covered
                 key_begin = prefix_of[it.seq];
                 mode = LOAD;
                 state[0] = states.data() + (size_t)slot_of[it.seq] * hq * (DH + 2);
@@ -589,8 +654,20 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
                 key_begin = std::max<int64_t>(0, pos0 - window + 1);
             }
             attend<DH>(q, out, qrow, qpos, it.ntok, q_stride, out_stride, k_cache, v_cache,
-                       block_tables + (int64_t)it.seq * bt_stride, key_begin, pos0 + it.ntok, it.h, g, hkv,
+                       block_tables + (int64_t)it.seq * bt_stride, key_begin, key_end, it.h, g, hkv,
                        bs, scale, window, mode, state, scratch);
+        }
+        if (!splits.empty()) {  // implicit barrier above: every part's state is saved
+            #pragma omp for schedule(static)
+            for (size_t w = 0; w < splits.size() * hq; ++w) {  // phase 3: merge split decodes
+                const SplitDecode& sd = splits[w / hq];
+                const int head = (int)(w % hq);
+                float* part_state[64];
+                for (int p = 0; p < sd.parts; ++p)
+                    part_state[p] = states.data() + (size_t)(sd.slot0 + p) * hq * (DH + 2);
+                merge_split_row<DH>(part_state, sd.parts, head,
+                                    out + q_start[sd.seq] * out_stride + (int64_t)head * DH);
+            }
         }
         free(sc);
         free(qT);
