@@ -139,6 +139,22 @@ varlen_available = pytest.mark.skipif(
     reason="no AVX512-BF16 (or no compiler): bf16 attention keeps the decode kernel + SDPA")
 
 
+def _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, block_size, rng):
+    """A bf16 pairs-layout cache with each sequence's blocks shuffled over the pool (two spare
+    blocks), every slot NaN: slots no sequence owns must never be read."""
+    need = [-(-n // block_size) for n in seq_lens]
+    ids = list(range(sum(need) + 2))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n])
+        at += n
+    cache = PagedKVCache(cfg(heads, kv_heads, head_dim), num_blocks=len(ids), block_size=block_size,
+                         dtype=torch.bfloat16, layout="pairs")
+    cache.kv.fill_(float("nan"))
+    return cache, tables
+
+
 @varlen_available
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, None), (9, 3, 64, 48, None), (4, 2, 128, 32, None), (4, 4, 64, 16, 20),
@@ -151,18 +167,8 @@ def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, wi
     # Fresh prompts, mid-sequence chunks, decodes; 6 and 7 tokens leave 2 and 1 rows past the
     # kernel's groups of 4 rows for every GQA ratio here.
     query_lens = [1, 17, 1, 33, 16, 1, 100, 20, 6, 7]
-    rng = random.Random(3)
     torch.manual_seed(3)
-    need = [-(-n // block_size) for n in seq_lens]
-    ids = list(range(sum(need) + 2))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at:at + n])
-        at += n
-    cache = PagedKVCache(cfg(heads, kv_heads, head_dim), num_blocks=len(ids), block_size=block_size,
-                         dtype=torch.bfloat16, layout="pairs")
-    cache.kv.fill_(float("nan"))  # slots no sequence owns must never be read
+    cache, tables = _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, block_size, random.Random(3))
     start = [n - q for n, q in zip(seq_lens, query_lens)]
     meta = build_attention_metadata(start, query_lens, tables, block_size)
     hist = build_attention_metadata([0] * len(start), seq_lens, tables, block_size)
@@ -188,18 +194,8 @@ def test_small_batch_decodes_split_their_keys_and_match_float64(seq_lens):
     3,000 keys goes in 3 parts; with 1 thread nothing is split. Both match float64 and each other
     up to the bf16 rounding of the probabilities and the output."""
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
-    rng = random.Random(len(seq_lens))
     torch.manual_seed(len(seq_lens))
-    need = [-(-n // bs) for n in seq_lens]
-    ids = list(range(sum(need) + 2))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at:at + n])
-        at += n
-    cache = PagedKVCache(cfg(heads, kv_heads, head_dim), num_blocks=len(ids), block_size=bs,
-                         dtype=torch.bfloat16, layout="pairs")
-    cache.kv.fill_(float("nan"))  # slots no sequence owns must never be read
+    cache, tables = _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, bs, random.Random(len(seq_lens)))
     hist = build_attention_metadata([0] * len(seq_lens), seq_lens, tables, bs)
     hist_k = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
     hist_k[::97] *= 8  # a few peaky keys, so the parts' maxima differ
