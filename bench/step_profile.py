@@ -7,7 +7,9 @@ then times --steps engine steps. "Model" is `LlamaModel.forward` plus `compute_l
 (scheduler, KV cache manager, step metadata, sampler, detokenizer, output objects) is everything
 `LLMEngine.step` does around them. `--breakdown` splits the model time into attention (the
 backend's forward: cache write + attention), linear layers and the rest (norms, rotary, activations,
-embedding). `--cprofile` adds the top functions by own time (cProfile
+embedding); it runs the Python layer loop, whose calls can be timed one by one, where a bf16 CPU
+model otherwise runs its layers as one compiled call (model/cpu_decoder.py), ~1.5-2.5 ms a step
+faster. `--cprofile` adds the top functions by own time (cProfile
 inflates the Python side, so its percentages overstate bookkeeping).
 
     python bench/step_profile.py
@@ -94,6 +96,7 @@ def main(argv=None) -> int:
     # that would sit inside a GPU engine's cache-write kernel, reported on its own line.
     kv_cache.finish_step = timed(kv_cache.finish_step, "kv_seal")
     if args.breakdown:
+        model.use_compiled_decoder = False  # the compiled loop's kernel calls cannot be timed from Python
         model.attn.forward = timed(model.attn.forward, "attention")
         Linear.__call__ = timed(Linear.__call__, "linears")  # decode inputs are 2-D: no nested calls
     prof = cProfile.Profile() if args.cprofile else None
@@ -121,9 +124,11 @@ def main(argv=None) -> int:
     if args.breakdown:
         result.update({f"{k}_ms_per_step": spent[k] / args.steps * 1e3 for k in ("attention", "linears")})
         result["model_rest_ms_per_step"] = (spent["model"] - spent["attention"] - spent["linears"]) / args.steps * 1e3
-    result.update(device=str(model.device), decode_graphs=graphs is not None)
+    compiled = model.compiled_decoder(kv_cache) is not None
+    result.update(device=str(model.device), decode_graphs=graphs is not None, compiled_decoder=compiled)
     print(f"\n{args.steps} decode steps ({args.workload}), mean batch {result['mean_batch']:.1f}, {args.dtype}, "
           f"{model.device}{', decode graphs' if graphs is not None else ''}"
+          f"{', compiled layer loop' if compiled else ''}"
           f"{' (under cProfile)' if prof else ''}")
     print(f"{'step ms':>8} {'model ms':>9} {'KV seal ms':>11} {'other ms':>9} {'other share':>12} {'KV occupancy':>13}")
     print(f"{result['ms_per_step']:>8.1f} {result['model_ms_per_step']:>9.1f} {result['kv_seal_ms_per_step']:>11.2f} "

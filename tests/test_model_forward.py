@@ -8,6 +8,7 @@ scattered so that a wrong slot mapping or gather order shows up as a mismatch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import random
 
@@ -245,6 +246,50 @@ def test_bfloat16_projection_epilogues_change_nothing(monkeypatch):
     ours, ref = run_schedule(fused, cache, seqs, steps), run_schedule(plain, plain_cache, seqs, steps)
     for s in seqs:
         assert torch.equal(ours[s], ref[s]), s
+
+
+def _shared_prefix_schedule() -> list[tuple[list[int], list[int], list[list[int]], list[int]]]:
+    """(start_pos, query_lens, block tables, token ids) per step: a 64-token prefix in four
+    blocks, four continuations in their own blocks, then their decodes, which share the
+    prefix's blocks (the varlen kernel's cascade groups: >= 4 decodes over >= 4 blocks) beside
+    a fifth sequence's prefill."""
+    prefix, own = [7, 2, 14, 1], {"x": [5, 11], "y": [0, 9], "z": [3, 12], "u": [6, 15], "w": [4, 8, 13]}
+    steps = [([0], [64], [prefix], tokens(40, 64)),
+             ([64] * 4, [5, 6, 7, 8], [prefix + own[s][:1] for s in "xyzu"], tokens(41, 26))]
+    lens = {"x": 69, "y": 70, "z": 71, "u": 72}
+    for i in range(6):
+        starts = [lens[s] for s in "xyzu"] + [i * 8]
+        tables = [prefix + own[s] for s in "xyzu"] + [own["w"]]
+        steps.append((starts, [1, 1, 1, 1, 8], tables, tokens(50 + i, 12)))
+        lens = {s: n + 1 for s, n in lens.items()}
+    return steps
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_compiled_decoder_equals_the_python_layer_loop(window):
+    """bf16 on an AVX512-BF16 CPU runs the layer loop as one compiled call (model/cpu_decoder.py).
+    It makes the same kernel calls as the Python loop, so every step's hidden states must be the
+    same bits: prefill chunks, decodes beside them, shared-prefix (cascade) decodes, a sliding
+    window."""
+    mc = dataclasses.replace(model_config("llama_d64"), sliding_window=window)
+    model = LlamaModel(mc, weights("llama_d64"), torch.bfloat16)
+    layout = model.attn.kv_cache_layout("auto", torch.bfloat16, 16, torch.device("cpu"))
+    caches = [PagedKVCache(mc, num_blocks=24, block_size=16, dtype=torch.bfloat16, layout=layout) for _ in range(2)]
+    if model.compiled_decoder(caches[0]) is None:
+        pytest.skip("no compiled decoder here (needs the bf16 kernels: AVX512-BF16 and a compiler)")
+    groups = 0
+    for start, qlens, tables, ids in _shared_prefix_schedule():
+        outs = []
+        for compiled, cache in zip((True, False), caches):
+            model.use_compiled_decoder = compiled
+            meta = build_attention_metadata(start, qlens, tables, 16)
+            outs.append(model.forward(torch.tensor(ids), meta.positions, meta, cache))
+            if compiled:
+                groups += model.attn.varlen_plan(meta).groups.num_groups
+        assert torch.equal(outs[0], outs[1]), (start, qlens)
+        assert outs[0].abs().max() > 0
+    assert torch.equal(caches[0].kv, caches[1].kv)
+    assert groups > 0 or window is not None, "the schedule should have exercised the cascade path"
 
 
 # ---- the runner: greedy generation token for token, copy-on-write through block_copies ----

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
+from kvserve.model import cpu_decoder
 from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
 from kvserve.model.fused import ElementwiseOps
@@ -106,6 +107,11 @@ class LlamaModel:
         self.attn = attention_backend or TorchAttentionBackend(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, scale=c.head_dim ** -0.5,
             sliding_window=c.sliding_window)
+        # The layer loop as one compiled call where every op in it is a compiled kernel
+        # (model/cpu_decoder.py); False keeps the Python loop (tests compare the two).
+        self.use_compiled_decoder = True
+        self._decoder_unsupported = cpu_decoder.unsupported(self)
+        self._decoder: tuple[KVCache, cpu_decoder.CompiledDecoder | None] | None = None  # cache, loop over it
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos [T, 1, D] and sin with the first half negated [T, 1, D], for `fused.apply_rope`."""
@@ -121,6 +127,9 @@ class LlamaModel:
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
+        decoder = self.compiled_decoder(kv_cache)
+        if decoder is not None:
+            return decoder.forward(h, cos, sin, attn_metadata.slot_mapping, self.attn.varlen_plan(attn_metadata))
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         ops, eps = self.ops, c.rms_norm_eps
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
@@ -143,6 +152,17 @@ class LlamaModel:
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, layer.down_proj(act), next_norm, eps)
         return x
+
+    def compiled_decoder(self, kv_cache: KVCache) -> cpu_decoder.CompiledDecoder | None:
+        """The compiled layer loop over kv_cache, or None where the Python loop runs."""
+        if not self.use_compiled_decoder or self._decoder_unsupported is not None:
+            return None
+        if self._decoder is None or self._decoder[0] is not kv_cache:
+            kernel = (self.attn.varlen_kernel_over(kv_cache) if isinstance(self.attn, TorchAttentionBackend)
+                      else None)
+            self._decoder = (kv_cache, None if kernel is None else cpu_decoder.CompiledDecoder(
+                self, kernel, *zip(*map(kv_cache.layer_blocks, range(len(self.layers)))), kv_cache.block_size))
+        return self._decoder[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

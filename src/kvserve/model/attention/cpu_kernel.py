@@ -48,7 +48,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "store_kv_pairs.cpp",
             CSRC / "stage_quantized.cpp", CSRC / "decode_quantized.cpp", CSRC / "quantize_blocks.cpp",
             CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp", CSRC.parents[1] / "csrc" / "gemm_bf16.cpp",
-            CSRC.parents[1] / "csrc" / "gemm_amx.cpp")
+            CSRC.parents[1] / "csrc" / "gemm_amx.cpp", CSRC.parents[1] / "csrc" / "decoder_bf16.cpp")
 # Part of the cache key, not compiled alone.
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC.parents[1] / "csrc" / "bf16_vec.h",
             CSRC.parents[1] / "csrc" / "gemm_epilogue.h", CSRC.parents[1] / "csrc" / "amx.h", CSRC / "attend_amx.h",
@@ -204,6 +204,8 @@ def load_library() -> ctypes.CDLL | None:
             lib.gemm_bf16_amx.argtypes = lib.gemm_bf16.argtypes
             lib.gemm_bf16_amx.restype = None
             lib.gemm_amx_available.restype = ctypes.c_int
+            lib.run_decoder_bf16.argtypes = [_P, _P]  # DecoderModel*, DecoderStep* (model/cpu_decoder.py)
+            lib.run_decoder_bf16.restype = ctypes.c_int
             _lib = lib
         except Exception as e:  # any build or load failure: fall back, say why once
             log.warning("paged decode kernel unavailable, using the pure-torch path: %s", e)

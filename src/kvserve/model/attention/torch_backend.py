@@ -56,7 +56,7 @@ class _DecodePlan:
 
 
 @dataclass
-class _VarlenPlan:  # every sequence of the step, as the varlen kernel takes them (int64, contiguous)
+class VarlenPlan:  # every sequence of the step, as the varlen kernel takes them (int64, contiguous)
     q_start: torch.Tensor  # [S]
     q_len: torch.Tensor  # [S]
     block_tables: torch.Tensor  # [S, max_blocks]
@@ -67,7 +67,7 @@ class _VarlenPlan:  # every sequence of the step, as the varlen kernel takes the
 @dataclass
 class _StagedPlan:  # one part of a step over a quantized cache (staging.py)
     part: StagePart
-    varlen: _VarlenPlan  # over the part's renumbered tables
+    varlen: VarlenPlan  # over the part's renumbered tables
     rows: slice | torch.Tensor  # the part's token rows in q / k / v (a tensor when not contiguous)
     slots: torch.Tensor  # [rows] int64: their slots in the scratch
 
@@ -115,6 +115,15 @@ class TorchAttentionBackend(AttentionBackend):
             return "tokens"
         return "pairs" if kv_cache_dtype == "auto" else "tokens"
 
+    def varlen_kernel_over(self, kv_cache: KVCache):
+        """The varlen kernel that `forward` runs at every layer of every step over kv_cache (a bf16
+        "pairs" cache, written by `store_kv_pairs`), or None where steps take another path. With
+        `varlen_plan(meta)` it is what a compiled layer loop (model/cpu_decoder.py) calls in
+        place of `forward`."""
+        if not self.use_cpu_kernel or not isinstance(kv_cache, PagedKVCache) or kv_cache.layout != "pairs":
+            return None
+        return varlen_kernel_for(kv_cache.dtype, self.head_dim, kv_cache.device)
+
     def _kernel(self, kind: str, q: torch.Tensor, kv_cache: KVCache):
         """The compiled kernel `kind` when it applies to this step's tensors and the cache, else
         None: "varlen" over a pairs-layout cache, "decode" over a tokens-layout one, "staged"
@@ -142,7 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
         varlen = self._kernel("varlen", q, kv_cache)
         if varlen is not None:
             k_cache, v_cache = kv_cache.layer_blocks(layer)
-            self._varlen(varlen, self._varlen_plan(meta), q, out, k_cache, v_cache, kv_cache.block_size)
+            self._varlen(varlen, self.varlen_plan(meta), q, out, k_cache, v_cache, kv_cache.block_size)
             return out
         staged = self._kernel("staged", q, kv_cache)
         if staged is not None:
@@ -241,14 +250,15 @@ class TorchAttentionBackend(AttentionBackend):
             meta.backend_state["codes_split"] = _CodesSplit(plan, np.sort(np.concatenate([prefills, grouped])))
         return meta.backend_state["codes_split"]
 
-    def _varlen_plan(self, meta: AttentionMetadata) -> _VarlenPlan:
+    def varlen_plan(self, meta: AttentionMetadata) -> VarlenPlan:
+        """The varlen kernel's arguments for every sequence of the step, built once per step."""
         if "varlen" not in meta.backend_state:
             meta.backend_state["varlen"] = self._make_varlen_plan(
                 meta, slice(0, meta.num_seqs), meta.block_tables.contiguous())
         return meta.backend_state["varlen"]
 
     def _make_varlen_plan(self, meta: AttentionMetadata, seqs: slice | np.ndarray,
-                          tables: torch.Tensor) -> _VarlenPlan:
+                          tables: torch.Tensor) -> VarlenPlan:
         """The kernel's arguments for sequences `seqs` of the step (a slice or indices), reading
         `tables`."""
         query_lens = np.asarray(meta.query_lens, dtype=np.int64)[seqs]
@@ -256,7 +266,7 @@ class TorchAttentionBackend(AttentionBackend):
         groups = NO_GROUPS
         if self.cascade and self.sliding_window is None and 1 in query_lens:
             groups = shared_prefix_groups(tables.numpy(), seq_lens, query_lens, meta.block_size)
-        return _VarlenPlan(torch.from_numpy(np.asarray(meta.query_start_loc, dtype=np.int64)[:-1][seqs]),
+        return VarlenPlan(torch.from_numpy(np.asarray(meta.query_start_loc, dtype=np.int64)[:-1][seqs]),
                            torch.from_numpy(query_lens), tables, torch.from_numpy(seq_lens), groups)
 
     def _staged_plans(self, meta: AttentionMetadata, kv_cache: KVCache,
@@ -359,7 +369,7 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=self.num_heads != self.num_kv_heads)
         return o[0].transpose(0, 1)  # [n, Hq, D]
 
-    def _varlen(self, kernel, plan: _VarlenPlan, q: torch.Tensor, out: torch.Tensor,
+    def _varlen(self, kernel, plan: VarlenPlan, q: torch.Tensor, out: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:
         rc = kernel(q.data_ptr(), out.data_ptr(), plan.q_start.data_ptr(), plan.q_len.data_ptr(),
                     q.stride(0), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),

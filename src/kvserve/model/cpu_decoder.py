@@ -1,0 +1,125 @@
+"""The decoder stack in one compiled call on CPU (csrc/decoder_bf16.cpp).
+
+`LlamaModel.forward` calls ~8 compiled kernels per layer from Python; at batch 1 the Python
+between them is ~15 % of a step (bench/NOTES.md, session 16). Where every one of those calls is
+a compiled kernel (bf16 on a CPU with AVX512-BF16: packed projections with their rotary and
+SiLU epilogues, the fused residual-add + RMSNorm, and the varlen attention kernel over a "pairs"
+cache), `run_decoder_bf16` makes the same calls with the same arguments in a C loop over the
+layers, so its output is bit-identical to the Python loop's. Everything else (float32, biases,
+quantized caches, other devices) keeps the Python loop.
+
+The model's weights, shapes and kernels are fixed at load and go into one `ModelC` structure,
+bound to the KV cache on the first step over it; a step only fills a `StepC` with its rows and
+the varlen kernel's per-sequence arguments, built once per step as for the Python loop.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.model.attention.cpu_kernel import load_library
+from kvserve.model.linear import Linear
+
+if TYPE_CHECKING:
+    from kvserve.model.attention.torch_backend import VarlenPlan
+    from kvserve.model.llama import LlamaModel
+
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class LayerC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLayer
+    _fields_ = [(name, _P) for name in ("qkv", "o", "gate_up", "down", "input_norm", "post_attn_norm",
+                                        "k_cache", "v_cache")]
+
+
+class ModelC(ctypes.Structure):  # decoder_bf16.cpp's DecoderModel
+    _fields_ = [("gemm", _P), ("attention", _P), ("layers", ctypes.POINTER(LayerC)), ("num_layers", _INT),
+                ("final_norm", _P), ("hidden", _I64), ("inter", _I64), ("hq", _INT), ("hkv", _INT),
+                ("head_dim", _INT), ("qkv_epilogue", _INT), ("gate_up_epilogue", _INT), ("eps", _F),
+                ("scale", _F), ("window", _I64)]
+
+
+class StepC(ctypes.Structure):  # decoder_bf16.cpp's DecoderStep
+    _fields_ = [("T", _I64), ("h", _P), ("x", _P), ("qkv", _P), ("attn", _P), ("proj", _P), ("act", _P),
+                ("cos", _P), ("sin_signed", _P), ("slots", _P), ("n", _INT), ("q_start", _P), ("q_len", _P),
+                ("block_tables", _P), ("bt_stride", _I64), ("seq_lens", _P), ("block_size", _INT),
+                ("ngroups", _INT), ("group_start", _P), ("group_members", _P), ("group_prefix", _P)]
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def unsupported(model: LlamaModel) -> str | None:
+    """Why the model's layers cannot run as one compiled call, or None when they can (the KV
+    cache is checked when the decoder is bound to it)."""
+    if model.device.type != "cpu" or model.dtype != torch.bfloat16:
+        return f"runs bf16 on CPU only (model: {model.dtype} on {model.device})"
+    lib = load_library()
+    if lib is None or not lib.elementwise_bf16_available():
+        return "the compiled kernels are unavailable (no compiler, or no AVX512-BF16)"
+    gemms = set()
+    for i, layer in enumerate(model.layers):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            lin: Linear = getattr(layer, name)
+            if lin.gemm is None:
+                return f"layer {i} {name} is not on the packed bf16 kernel (a bias, or an odd shape)"
+            gemms.add(_address(lin.gemm[0]))
+        if layer.qkv_proj.epilogue is None or layer.gate_up_proj.epilogue is None:
+            return f"layer {i} does not fuse rotary / SiLU into its projections"
+    if len(gemms) != 1:
+        return "the layers' projections use different kernels"
+    return None
+
+
+class CompiledDecoder:
+    """`LlamaModel.forward`'s layer loop as one call of `run_decoder_bf16`, over one KV cache."""
+
+    def __init__(self, model: LlamaModel, attention_kernel, k_blocks: list[torch.Tensor],
+                 v_blocks: list[torch.Tensor], block_size: int) -> None:
+        c, attn = model.config, model.attn
+        layers = model.layers
+        self._layers = (LayerC * len(layers))(*(
+            LayerC(L.qkv_proj.gemm[1].data_ptr(), L.o_proj.gemm[1].data_ptr(), L.gate_up_proj.gemm[1].data_ptr(),
+                   L.down_proj.gemm[1].data_ptr(), L.input_norm.data_ptr(), L.post_attn_norm.data_ptr(),
+                   k.data_ptr(), v.data_ptr())
+            for L, k, v in zip(layers, k_blocks, v_blocks)))
+        # Held so that the pointers above stay valid as long as this decoder.
+        self._keep = (model, k_blocks, v_blocks)
+        self.model = ModelC(
+            gemm=_address(layers[0].qkv_proj.gemm[0]), attention=_address(attention_kernel), layers=self._layers,
+            num_layers=len(layers), final_norm=model.norm.data_ptr(), hidden=c.hidden_size,
+            inter=layers[0].gate_up_proj.out_features // 2, hq=c.num_attention_heads, hkv=c.num_key_value_heads,
+            head_dim=c.head_dim, qkv_epilogue=layers[0].qkv_proj.epilogue.kind,
+            gate_up_epilogue=layers[0].gate_up_proj.epilogue.kind, eps=c.rms_norm_eps, scale=attn.scale,
+            window=attn.sliding_window or 0)
+        self.block_size = block_size
+        self._run = load_library().run_decoder_bf16
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.qkv_size = self.q_size + 2 * c.num_key_value_heads * c.head_dim
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slot_mapping: torch.Tensor,
+                plan: VarlenPlan) -> torch.Tensor:
+        """h: the embedded tokens `[T, hidden]` (the residual stream, updated in place); cos and
+        sin_signed `[T, 1, head_dim]` (`LlamaModel.rope_cos_sin`); slot_mapping `[T]` int64; the
+        step's varlen arguments. Returns the final-normed hidden states `[T, hidden]`."""
+        t, m = h.shape[0], self.model
+        x = torch.empty_like(h)
+        qkv = torch.empty(t, self.qkv_size, dtype=h.dtype)
+        attn = torch.empty(t, self.q_size, dtype=h.dtype)
+        proj = torch.empty_like(h)
+        act = torch.empty(t, m.inter, dtype=h.dtype)
+        slots = slot_mapping.contiguous()
+        g = plan.groups
+        step = StepC(t, h.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), proj.data_ptr(), act.data_ptr(),
+                     cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), plan.q_len.numel(),
+                     plan.q_start.data_ptr(), plan.q_len.data_ptr(), plan.block_tables.data_ptr(),
+                     plan.block_tables.shape[1], plan.seq_lens.data_ptr(), self.block_size, g.num_groups,
+                     g.start.ctypes.data, g.members.ctypes.data, g.prefix_len.ctypes.data)
+        rc = self._run(ctypes.byref(m), ctypes.byref(step))
+        if rc != 0:
+            raise RuntimeError(f"run_decoder_bf16: the attention kernel has no instance for block size "
+                               f"{self.block_size} in this build (code {rc})")
+        return x

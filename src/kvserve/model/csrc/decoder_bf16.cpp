@@ -1,0 +1,109 @@
+// A bf16 Llama decoder stack in one call: every layer's projections, norms, cache write and
+// attention, by calling this library's kernels in the order and with the arguments
+// LlamaModel.forward passes them one by one from Python (model/llama.py), so the result is
+// bit-identical to that forward.
+//
+// Why: at batch 1 the kernels of a 30-layer step take ~12.5 ms and the Python between them
+// (~8 calls a layer: argument checks, views, allocations, ctypes conversions) another ~2.5 ms,
+// 15 % of the step. The step's per-sequence arguments (slots, block tables, context lengths,
+// shared-prefix groups) are the same for every layer, so Python builds them once and this loop
+// walks the layers. It is the CPU's counterpart of replaying a CUDA graph, without the static
+// buffers: the loop takes the step's pointers as they are.
+#include <stdint.h>
+
+extern "C" void add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, int64_t delta_stride, const uint16_t* w,
+                                  uint16_t* out, int64_t T, int64_t H, float eps);
+extern "C" void store_kv_pairs(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t T,
+                               int64_t k_stride, int64_t v_stride, uint16_t* k_cache, uint16_t* v_cache,
+                               int hkv, int dh, int bs);
+
+namespace {
+
+// gemm_bf16 / gemm_bf16_amx: whichever the Linear layers packed their weights for.
+typedef void (*GemmFn)(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, uint16_t* y,
+                       int kind, const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim,
+                       int64_t rope_cols);
+// paged_attention_bf16_d{64,128} (paged_attention_bf16.cpp's PA_ENTRY).
+typedef int (*AttentionFn)(const void* q, void* out, const int64_t* q_start, const int64_t* q_len, int64_t q_stride,
+                           int64_t out_stride, const void* k, const void* v, const int64_t* bt, int64_t bt_stride,
+                           const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale, int64_t window,
+                           int ngroups, const int64_t* group_start, const int64_t* group_members,
+                           const int64_t* group_prefix);
+
+}  // namespace
+
+// One layer's weights (packed for `gemm`) and KV blocks; field order is cpu_decoder.py's LayerC.
+struct DecoderLayer {
+    const uint16_t* qkv;      // [hidden -> q + 2 kv], rotary epilogue
+    const uint16_t* o;        // [q -> hidden]
+    const uint16_t* gate_up;  // [hidden -> 2 inter], SiLU-mul epilogue
+    const uint16_t* down;     // [inter -> hidden]
+    const uint16_t* input_norm;
+    const uint16_t* post_attn_norm;
+    uint16_t* k_cache;  // this layer's blocks, "pairs" layout
+    uint16_t* v_cache;
+};
+
+// The model's shapes and kernels, fixed at load (cpu_decoder.py's ModelC).
+struct DecoderModel {
+    GemmFn gemm;
+    AttentionFn attention;
+    const DecoderLayer* layers;
+    int num_layers;
+    const uint16_t* final_norm;
+    int64_t hidden, inter;
+    int hq, hkv, head_dim;
+    int qkv_epilogue, gate_up_epilogue;  // gemm_epilogue.h kinds (rotary, SiLU-mul)
+    float eps, scale;
+    int64_t window;  // sliding window (0: none)
+};
+
+// One step's rows and per-sequence arguments (cpu_decoder.py's StepC).
+struct DecoderStep {
+    int64_t T;  // rows (tokens) of the step
+    uint16_t* h;  // [T, hidden] residual stream, embedded tokens in, updated in place
+    uint16_t* x;  // [T, hidden] out: the final-normed hidden states
+    uint16_t* qkv;  // [T, q + 2 kv] scratch
+    uint16_t* attn;  // [T, q] scratch
+    uint16_t* proj;  // [T, hidden] scratch
+    uint16_t* act;  // [T, inter] scratch
+    const uint16_t* cos;  // [T, head_dim]
+    const uint16_t* sin_signed;
+    const int64_t* slots;  // [T]
+    int n;  // sequences
+    const int64_t* q_start;
+    const int64_t* q_len;
+    const int64_t* block_tables;
+    int64_t bt_stride;
+    const int64_t* seq_lens;
+    int block_size;
+    int ngroups;  // shared-prefix groups (paged_attention_bf16.cpp's cascade)
+    const int64_t* group_start;
+    const int64_t* group_members;
+    const int64_t* group_prefix;
+};
+
+// Returns 0, or the attention kernel's nonzero code (a build or block size it has no instance for).
+extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
+    const int64_t T = s->T, H = m->hidden, D = m->head_dim;
+    const int64_t q_size = (int64_t)m->hq * D, kv_size = (int64_t)m->hkv * D, n_qkv = q_size + 2 * kv_size;
+    add_rms_norm_bf16(s->h, nullptr, 0, m->layers[0].input_norm, s->x, T, H, m->eps);
+    for (int i = 0; i < m->num_layers; ++i) {
+        const DecoderLayer& L = m->layers[i];
+        m->gemm(s->x, T, H, L.qkv, n_qkv, s->qkv, m->qkv_epilogue, s->cos, s->sin_signed, D, q_size + kv_size);
+        store_kv_pairs(s->qkv + q_size, s->qkv + q_size + kv_size, s->slots, T, n_qkv, n_qkv, L.k_cache, L.v_cache,
+                       m->hkv, (int)D, s->block_size);
+        const int rc = m->attention(s->qkv, s->attn, s->q_start, s->q_len, n_qkv, q_size, L.k_cache, L.v_cache,
+                                    s->block_tables, s->bt_stride, s->seq_lens, s->n, m->hq, m->hkv, s->block_size,
+                                    m->scale, m->window, s->ngroups, s->group_start, s->group_members,
+                                    s->group_prefix);
+        if (rc != 0) return rc;
+        m->gemm(s->attn, T, q_size, L.o, H, s->proj, 0, nullptr, nullptr, 0, 0);
+        add_rms_norm_bf16(s->h, s->proj, H, L.post_attn_norm, s->x, T, H, m->eps);
+        m->gemm(s->x, T, H, L.gate_up, 2 * m->inter, s->act, m->gate_up_epilogue, nullptr, nullptr, 0, 0);
+        m->gemm(s->act, T, m->inter, L.down, H, s->proj, 0, nullptr, nullptr, 0, 0);
+        const uint16_t* next_norm = i + 1 < m->num_layers ? m->layers[i + 1].input_norm : m->final_norm;
+        add_rms_norm_bf16(s->h, s->proj, H, next_norm, s->x, T, H, m->eps);
+    }
+    return 0;
+}
