@@ -48,13 +48,16 @@ inline void o_from_scratch(const float* o) {
     _tile_loadd(4, o, 256); _tile_loadd(5, o + 16, 256); _tile_loadd(6, o + 32, 256); _tile_loadd(7, o + 48, 256);
 }
 
-// attend_item's contract, for ntok * g <= 16 rows and DH == 64.
+// attend_item's contract, for ntok * g <= 16 rows and DH == 64, except that row r is query head
+// qh0 + r % g (attend_item: h * g + r % g): a prefill tile also runs one query head at a time,
+// 16 tokens in a pass, where g heads per token would leave a short last pass. `prefetch`: ask
+// for the keys ahead (false where an earlier pass over them left them in L2).
 template <int DH>
 void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t* qpos, int ntok,
                      int64_t q_stride, int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
-                     const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int hkv, int bs,
-                     float scale, int64_t window, Mode mode, float* const* state, uint32_t* kscr,
-                     uint32_t* vscr, AmxScratch& w) {
+                     const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int qh0, int hkv,
+                     int bs, float scale, int64_t window, Mode mode, float* const* state, uint32_t* kscr,
+                     uint32_t* vscr, AmxScratch& w, bool prefetch = true) {
     static_assert(DH == 64, "four O tiles of 16 d's");
     const int rows = ntok * g;
     if (w.configured_rows != rows) {  // LDTILECFG once per row count, not once per item
@@ -62,9 +65,9 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
         w.configured_rows = rows;
     }
     for (int tq = 0; tq < ntok; ++tq)
-        memcpy(w.q + (size_t)tq * g * DH, q + qrow[tq] * q_stride + (int64_t)h * g * DH, (size_t)g * DH * 2);
+        memcpy(w.q + (size_t)tq * g * DH, q + qrow[tq] * q_stride + (int64_t)qh0 * DH, (size_t)g * DH * 2);
     float m[16], l[16];  // running max (base 2) and the sum carried in from a saved state
-    auto row_state = [&](int r) { return state_row<DH>(state, r, g, h); };
+    auto row_state = [&](int r) { return state[r / g] + (int64_t)(qh0 + r % g) * (DH + 2); };  // state_row's
     if (mode == LOAD) {
         for (int r = 0; r < rows; ++r) {
             const float* st = row_state(r);
@@ -80,7 +83,7 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
     const __m512 vscale = _mm512_set1_ps(scale * LOG2E);
     constexpr int NR = CHUNK / 16;
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
-        const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
+        const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr, prefetch);
         for (int half = 0; half < NR; ++half) {  // S = q . k for 16 keys: 4 slices of 16 d's
             const uint32_t* kh = cv.k[half];
             const int64_t ks = cv.kstride[half];
@@ -156,7 +159,7 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
             memcpy(st + 2, ar, sizeof(float) * DH);
             continue;
         }
-        store_output_row<DH>(ar, lr, out + qrow[r / g] * out_stride + ((int64_t)h * g + r % g) * DH);
+        store_output_row<DH>(ar, lr, out + qrow[r / g] * out_stride + ((int64_t)qh0 + r % g) * DH);
     }
 }
 

@@ -130,7 +130,8 @@ struct ChunkView { const uint32_t* k[CHUNK / 16]; const uint32_t* v[CHUNK / 16];
 template <int DH>
 __attribute__((always_inline)) inline ChunkView stage_chunk(
         const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t kp0,
-        int64_t key_begin, int64_t key_end, int h, int hkv, int bs, uint32_t* kscr, uint32_t* vscr) {
+        int64_t key_begin, int64_t key_end, int h, int hkv, int bs, uint32_t* kscr, uint32_t* vscr,
+        bool prefetch = true) {
     constexpr int NP = DH / 2, NV = DH / 16;
     const uint32_t* k32 = (const uint32_t*)k_cache;  // bf16 pairs as 32-bit words
     const uint32_t* v32 = (const uint32_t*)v_cache;
@@ -166,7 +167,7 @@ __attribute__((always_inline)) inline ChunkView stage_chunk(
     // the next two chunks' keys of this head while this chunk is being used. The nearer one
     // was asked for last time too; asking again (or asking only for the farther one, or into
     // L2) measured slower: a full miss queue drops prefetches, and the repeat catches them.
-    for (int64_t p0 = kp0 + CHUNK; p0 < std::min<int64_t>(kp0 + 3 * CHUNK, key_end); p0 += 16) {
+    for (int64_t p0 = kp0 + CHUNK; prefetch && p0 < std::min<int64_t>(kp0 + 3 * CHUNK, key_end); p0 += 16) {
         const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
         for (int j = 0; j < NP; ++j) __builtin_prefetch(sp.k + j * bs);
         for (int c = 0; c < 8 * DH; c += 16) __builtin_prefetch(sp.v + c);
@@ -461,16 +462,31 @@ void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t
             const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int hkv, int bs,
             float scale, int64_t window, Mode mode, float* const* state, const Scratch& w) {
 #ifdef KVS_HAVE_AMX
-    // On AMX a tile's rows go 16 at a time (whole tokens: 5 of a 3-head group): the staged chunk
-    // is read once per 16 rows instead of once per 48, from cache, and the products are ~5x
-    // faster than attend_tile's VDPBF16PS (bench/NOTES.md, session 13).
+    // On AMX a tile's rows go 16 at a time: the staged chunk is read once per 16 rows instead of
+    // once per 48, from cache, and the products are ~5x faster than attend_tile's VDPBF16PS
+    // (bench/NOTES.md, session 13). A pass over the keys costs about the same for 1 to 16 rows,
+    // so an item takes whichever cuts it into fewer passes: whole tokens (g heads each: 5
+    // tokens of 3 heads, so a 16-token prefill tile is 5 + 5 + 5 + 1) or one query head at a
+    // time (16 tokens: g passes), 14-17 % faster on prefill. Passes after the first find the
+    // keys in L2 when they fit in half of it and skip stage_chunk's prefetching, which there
+    // only spends load slots: another 7-15 % (bench/NOTES.md, session 16).
     if constexpr (DH == 64)
         if (w.amx) {
+            const bool l2_warm = (key_end - key_begin) * DH * 4 <= (1 << 20);
             const int per = std::max(1, 16 / g);
+            if (g > 1 && g * ((ntok + 15) / 16) < (ntok + per - 1) / per) {
+                for (int j = 0; j < g; ++j)
+                    for (int t0 = 0; t0 < ntok; t0 += 16)
+                        attend_item_amx<DH>(q, out, qrow + t0, qpos + t0, std::min(16, ntok - t0), q_stride,
+                                            out_stride, k_cache, v_cache, table, key_begin, key_end, h, 1,
+                                            h * g + j, hkv, bs, scale, window, mode, state + t0, w.kscr, w.vscr,
+                                            *w.amx, !(l2_warm && (j || t0)));
+                return;
+            }
             for (int t0 = 0; t0 < ntok; t0 += per)
                 attend_item_amx<DH>(q, out, qrow + t0, qpos + t0, std::min(per, ntok - t0), q_stride, out_stride,
-                                    k_cache, v_cache, table, key_begin, key_end, h, g, hkv, bs, scale, window,
-                                    mode, state + t0, w.kscr, w.vscr, *w.amx);
+                                    k_cache, v_cache, table, key_begin, key_end, h, g, h * g, hkv, bs, scale,
+                                    window, mode, state + t0, w.kscr, w.vscr, *w.amx, !(l2_warm && t0));
             return;
         }
 #endif
