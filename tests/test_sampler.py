@@ -179,6 +179,41 @@ def test_row_argmax_matches_torch_including_ties_and_nan():
     x[1, [5, 9]] = 50.0  # tie: the first one wins
     x[2, [3, 800]] = float("nan")  # NaN: the first NaN, as torch does
     x[3, [4, 6]] = float("inf")
-    for t in (x, x[::2], x.T.contiguous().T, x.bfloat16()):
+    for t in (x, x[::2], x.T.contiguous().T, x.bfloat16(), x.bfloat16()[1::2]):
         assert torch.equal(row_argmax(t), t.argmax(-1))
         assert row_argmax(t).dtype == torch.int64
+
+
+def test_bf16_row_argmax_is_numpys_on_the_float32_copy():
+    """Greedy steps take the argmax of the bf16 logits as the lm_head wrote them
+    (csrc/argmax_bf16.cpp): the answer numpy gives on their float32 copy, at every row width
+    (the kernel reads 16 at a time), with ties, -inf rows, NaN and many rows (threads)."""
+    from kvserve.model.attention.cpu_kernel import argmax_bf16_kernel
+    from kvserve.model.sampler import row_argmax
+    if argmax_bf16_kernel() is None:
+        pytest.skip("no compiled bf16 argmax here (needs AVX512-BF16 and a compiler)")
+    g = torch.Generator().manual_seed(0)
+    for cols in (1, 15, 16, 17, 33, 1000, 49152):
+        x = torch.randn(9, cols, generator=g).bfloat16()  # bf16 makes ties common at 49,152
+        x[1] = float("-inf")
+        x[2, cols // 2] = float("nan")
+        x[3, -1] = 100.0  # the maximum in the last (tail) lane
+        x[4, :] = 1.0  # all tied: index 0
+        want = torch.from_numpy(x.float().numpy().argmax(axis=1))
+        assert torch.equal(row_argmax(x), want), cols
+    big = torch.randn(64, 49152, generator=g).bfloat16()
+    assert torch.equal(row_argmax(big), torch.from_numpy(big.float().numpy().argmax(axis=1)))
+
+
+def test_greedy_rows_of_bf16_logits_sample_as_their_float32_copy():
+    """The runner hands the sampler the lm_head's bf16 logits: plain greedy batches take the
+    argmax of those rows, batches with logprobs / penalties / draws convert them to float32
+    first; either way each token is the one float32 logits give."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)).bfloat16()
+    greedy = [row(SamplingParams(temperature=0.0), f"g{i}") for i in range(4)]
+    ref = Sampler()(logits.float(), greedy)
+    assert [t.token_id for t in Sampler()(logits, greedy)] == [t.token_id for t in ref]
+    mixed = greedy[:3] + [row(SamplingParams(temperature=0.0, logprobs=2), "lp")]
+    ours, theirs = Sampler()(logits, mixed), Sampler()(logits.float(), mixed)
+    assert ours == theirs
+    assert ours[3].logprob is not None

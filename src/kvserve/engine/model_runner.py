@@ -56,7 +56,6 @@ class ModelRunner:
         self.bytes_per_block: int = self.kv_cache.bytes_per_block(model_config, block_size,
                                                                   kv_cache_dtype, dtype)
         self.sampler = Sampler(seed, self.device)
-        self._logits = torch.empty(0, 0, dtype=torch.float32, device=self.device)  # reused step to step
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_sizes:
             self._capture(cuda_graph_sizes, max_model_len or model_config.max_position_embeddings)
@@ -117,10 +116,7 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps)
         last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
-        if self._logits.shape[0] < len(sampling):  # grows to the largest batch, then is reused
-            self._logits = torch.empty(len(sampling), self.model.lm_head.out_features, dtype=torch.float32,
-                                       device=self.device)
-        logits = self.model.compute_logits(hidden[last_rows], out=self._logits[:len(sampling)])
+        logits = self.model.compute_logits(hidden[last_rows], float32=False)
         rows = [SamplingRow(s.request.request_id, s.request.sampling_params, s.request.prompt_token_ids,
                             s.request.output_token_ids, s.request.eos_token_ids) for _, s in sampling]
         tokens = self.sampler(logits, rows)

@@ -165,11 +165,9 @@ class LlamaModel:
         return self._decoder[1]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, hidden] of the rows that sample -> float32 logits [N, vocab], written into
-        `out` (float32 [N, vocab]) when given: a fresh [64, 49152] float32 tensor per step is
-        12.6 MB of newly faulted pages every decode step."""
+    def compute_logits(self, hidden_rows: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] of the rows that sample -> logits [N, vocab]: float32, or in the
+        lm_head's dtype with float32=False (the sampler converts only what it reads; a greedy
+        step's argmax reads the bf16 rows as they are)."""
         logits = self.lm_head(hidden_rows)
-        if out is None or logits.dtype == torch.float32:
-            return logits.float()
-        return out.copy_(logits)
+        return logits.float() if float32 else logits

@@ -48,7 +48,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC / "store_kv_pairs.cpp",
             CSRC / "stage_quantized.cpp", CSRC / "decode_quantized.cpp", CSRC / "quantize_blocks.cpp",
             CSRC.parents[1] / "csrc" / "elementwise_bf16.cpp", CSRC.parents[1] / "csrc" / "gemm_bf16.cpp",
-            CSRC.parents[1] / "csrc" / "gemm_amx.cpp", CSRC.parents[1] / "csrc" / "decoder_bf16.cpp")
+            CSRC.parents[1] / "csrc" / "gemm_amx.cpp", CSRC.parents[1] / "csrc" / "decoder_bf16.cpp",
+            CSRC.parents[1] / "csrc" / "argmax_bf16.cpp")
 # Part of the cache key, not compiled alone.
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC.parents[1] / "csrc" / "bf16_vec.h",
             CSRC.parents[1] / "csrc" / "gemm_epilogue.h", CSRC.parents[1] / "csrc" / "amx.h", CSRC / "attend_amx.h",
@@ -206,6 +207,9 @@ def load_library() -> ctypes.CDLL | None:
             lib.gemm_amx_available.restype = ctypes.c_int
             lib.run_decoder_bf16.argtypes = [_P, _P]  # DecoderModel*, DecoderStep* (model/cpu_decoder.py)
             lib.run_decoder_bf16.restype = ctypes.c_int
+            lib.argmax_bf16_rows.argtypes = [_P, _I64, _I64, _I64, _P]  # x, rows, cols, row stride, out int64
+            lib.argmax_bf16_rows.restype = None
+            lib.argmax_bf16_available.restype = ctypes.c_int
             _lib = lib
         except Exception as e:  # any build or load failure: fall back, say why once
             log.warning("paged decode kernel unavailable, using the pure-torch path: %s", e)
@@ -274,6 +278,13 @@ def elementwise_kernels():
     if lib is None or not lib.elementwise_bf16_available():
         return None
     return lib.add_rms_norm_bf16, lib.rope_bf16, lib.silu_mul_bf16
+
+
+def argmax_bf16_kernel():
+    """`argmax_bf16_rows` (the first maximum of each bf16 row, numpy's answer) where this CPU has
+    AVX512-BF16, else None."""
+    lib = load_library()
+    return None if lib is None or not lib.argmax_bf16_available() else lib.argmax_bf16_rows
 
 
 class GemmBf16(NamedTuple):
