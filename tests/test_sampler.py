@@ -160,8 +160,8 @@ def test_rejects_mismatched_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_callers_logits_stay_intact(dtype):
-    """The runner reuses one float32 logits buffer step to step; bans and penalties must edit a
-    copy, never the caller's tensor (and plain greedy rows need no copy at all)."""
+    """Bans and penalties must edit a copy, never the caller's tensor (the lm_head's output, or a
+    buffer a caller reuses step to step); plain greedy rows need no copy at all."""
     logits = torch.randn(3, 10).to(dtype)
     before = logits.clone()
     rows = [row(SamplingParams(temperature=0.0, min_tokens=5), "a", output=[1], eos=[2]),

@@ -86,8 +86,10 @@ class CompiledDecoder:
                    L.down_proj.gemm[1].data_ptr(), L.input_norm.data_ptr(), L.post_attn_norm.data_ptr(),
                    k.data_ptr(), v.data_ptr())
             for L, k, v in zip(layers, k_blocks, v_blocks)))
-        # Held so that the pointers above stay valid as long as this decoder.
-        self._keep = (model, k_blocks, v_blocks)
+        # Every tensor whose address the structures hold, so that they outlive this decoder.
+        self._keep = ([t for L in layers for t in (L.qkv_proj.gemm[1], L.o_proj.gemm[1], L.gate_up_proj.gemm[1],
+                                                    L.down_proj.gemm[1], L.input_norm, L.post_attn_norm)],
+                      model.norm, k_blocks, v_blocks)
         self.model = ModelC(
             gemm=_address(layers[0].qkv_proj.gemm[0]), attention=_address(attention_kernel), layers=self._layers,
             num_layers=len(layers), final_norm=model.norm.data_ptr(), hidden=c.hidden_size,
