@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.model.attention.cpu_kernel import argmax_bf16_kernel
 from kvserve.engine.scheduler_output import SampledToken
+from kvserve.model.attention.cpu_kernel import argmax_bf16_kernel
 
 _GREEDY_EPS = 1e-5
 

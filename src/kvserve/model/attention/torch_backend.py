@@ -267,7 +267,7 @@ class TorchAttentionBackend(AttentionBackend):
         if self.cascade and self.sliding_window is None and 1 in query_lens:
             groups = shared_prefix_groups(tables.numpy(), seq_lens, query_lens, meta.block_size)
         return VarlenPlan(torch.from_numpy(np.asarray(meta.query_start_loc, dtype=np.int64)[:-1][seqs]),
-                           torch.from_numpy(query_lens), tables, torch.from_numpy(seq_lens), groups)
+                          torch.from_numpy(query_lens), tables, torch.from_numpy(seq_lens), groups)
 
     def _staged_plans(self, meta: AttentionMetadata, kv_cache: KVCache,
                       seqs_subset: np.ndarray | None = None) -> list[_StagedPlan]:

@@ -473,20 +473,21 @@ void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t
     if constexpr (DH == 64)
         if (w.amx) {
             const bool l2_warm = (key_end - key_begin) * DH * 4 <= (1 << 20);
+            // Tokens [t0, t0 + nt), `gq` query heads each from head qh0.
+            auto pass = [&](int t0, int nt, int gq, int qh0, bool prefetch) {
+                attend_item_amx<DH>(q, out, qrow + t0, qpos + t0, nt, q_stride, out_stride, k_cache, v_cache, table,
+                                    key_begin, key_end, h, gq, qh0, hkv, bs, scale, window, mode, state + t0,
+                                    w.kscr, w.vscr, *w.amx, prefetch);
+            };
             const int per = std::max(1, 16 / g);
             if (g > 1 && g * ((ntok + 15) / 16) < (ntok + per - 1) / per) {
                 for (int j = 0; j < g; ++j)
                     for (int t0 = 0; t0 < ntok; t0 += 16)
-                        attend_item_amx<DH>(q, out, qrow + t0, qpos + t0, std::min(16, ntok - t0), q_stride,
-                                            out_stride, k_cache, v_cache, table, key_begin, key_end, h, 1,
-                                            h * g + j, hkv, bs, scale, window, mode, state + t0, w.kscr, w.vscr,
-                                            *w.amx, !(l2_warm && (j || t0)));
+                        pass(t0, std::min(16, ntok - t0), 1, h * g + j, !(l2_warm && (j || t0)));
                 return;
             }
             for (int t0 = 0; t0 < ntok; t0 += per)
-                attend_item_amx<DH>(q, out, qrow + t0, qpos + t0, std::min(per, ntok - t0), q_stride, out_stride,
-                                    k_cache, v_cache, table, key_begin, key_end, h, g, h * g, hkv, bs, scale,
-                                    window, mode, state + t0, w.kscr, w.vscr, *w.amx, !(l2_warm && t0));
+                pass(t0, std::min(per, ntok - t0), g, h * g, !(l2_warm && t0));
             return;
         }
 #endif
