@@ -158,9 +158,11 @@ def _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, block_size, rng)
 @varlen_available
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, None), (9, 3, 64, 48, None), (4, 2, 128, 32, None), (4, 4, 64, 16, 20),
-    (8, 2, 64, 64, 7)])
+    (8, 2, 64, 64, 7), (32, 8, 64, 16, None)])
 def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, window):
-    """Tolerance: q.k products of bf16 inputs are exact in float32 and accumulate in float32; the
+    """On AMX a decode's item covers as many K/V heads as 16 query rows hold: all 3 here, 4
+    with g = 1, 2 with g = 4, and two items of 4 heads each for 32 query heads over 8.
+    Tolerance: q.k products of bf16 inputs are exact in float32 and accumulate in float32; the
     probabilities are rounded to bf16 before P.V (relative 2^-9 each, so |error| <= 2^-9 max|v|,
     ~0.009 for |v| <= 4.5) and the output is rounded to bf16 (2^-9 |o|): atol 1.5e-2."""
     seq_lens = [1, 17, 300, 1056, 40, 64, 200, 33, 50, 7]

@@ -122,6 +122,20 @@ inline KeySpan key_span(const uint32_t* k32, const uint32_t* v32, const int64_t*
     return {k32 + blk_head * (DH / 2) * bs + o, v32 + blk_head * (bs / 2) * DH + (o / 2) * DH};
 }
 
+// Which keys stage_chunk asks the memory for (blocks sit anywhere in the pool, where the hardware
+// prefetcher cannot follow from one to the next):
+//   AHEAD: the next two chunks' keys, while this one is being used (the dot-product paths). The
+//          nearer one was asked for last time too; asking again (or only for the farther one,
+//          or into L2) measured slower there: a full miss queue drops prefetches, and the
+//          repeat catches them.
+//   THIS:  this chunk's keys, just before the tile loads (the AMX paths). A tile load waits for
+//          the product that last read its register, so the tiles' own loads of a chunk go out
+//          one or two lines' worth at a time; the prefetches put all of its lines in flight at
+//          once. Asking for the next chunk too (or only for it, or further ahead) measured
+//          16-30 % slower at batch 64: every line asked for twice, lines evicted before use.
+//   NONE:  nothing (an earlier pass left the keys in L2).
+enum Prefetch { NONE = 0, AHEAD = 1, THIS = 2 };
+
 // The keys [kp0, kp0 + CHUNK) of head h as the dot products read them: whole 16-key halves in
 // place, partly visible ones masked into kscr [CHUNK/16][NP][16] / vscr [CHUNK/16][8][DH] (keys
 // outside [key_begin, key_end) read as zero: slots past a sequence's end may hold anything).
@@ -131,10 +145,18 @@ template <int DH>
 __attribute__((always_inline)) inline ChunkView stage_chunk(
         const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t kp0,
         int64_t key_begin, int64_t key_end, int h, int hkv, int bs, uint32_t* kscr, uint32_t* vscr,
-        bool prefetch = true) {
+        Prefetch prefetch = AHEAD) {
     constexpr int NP = DH / 2, NV = DH / 16;
     const uint32_t* k32 = (const uint32_t*)k_cache;  // bf16 pairs as 32-bit words
     const uint32_t* v32 = (const uint32_t*)v_cache;
+    // Only whole 16-key halves that hold a visible key; THIS asks before the masked copies below read.
+    const int64_t pf_from = prefetch == THIS ? std::max(kp0, key_begin - key_begin % 16) : kp0 + CHUNK;
+    const int64_t pf_to = std::min<int64_t>(prefetch == THIS ? kp0 + CHUNK : kp0 + 3 * CHUNK, key_end);
+    for (int64_t p0 = pf_from; prefetch != NONE && p0 < pf_to; p0 += 16) {
+        const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
+        for (int j = 0; j < NP; ++j) __builtin_prefetch(sp.k + j * bs);
+        for (int c = 0; c < 8 * DH; c += 16) __builtin_prefetch(sp.v + c);
+    }
     ChunkView cv;
     for (int half = 0; half < CHUNK / 16; ++half) {
         const int64_t p0 = kp0 + 16 * half;
@@ -162,15 +184,6 @@ __attribute__((always_inline)) inline ChunkView stage_chunk(
         for (int u = 0; u < 8; ++u)
             for (int c = 0; c < NV; ++c)
                 _mm512_storeu_si512(vs + u * DH + 16 * c, _mm512_maskz_loadu_epi16((__mmask32)vmask_bits[u], sp.v + u * DH + 16 * c));
-    }
-    // Blocks sit anywhere in the pool, where the hardware prefetcher cannot follow: ask for
-    // the next two chunks' keys of this head while this chunk is being used. The nearer one
-    // was asked for last time too; asking again (or asking only for the farther one, or into
-    // L2) measured slower: a full miss queue drops prefetches, and the repeat catches them.
-    for (int64_t p0 = kp0 + CHUNK; prefetch && p0 < std::min<int64_t>(kp0 + 3 * CHUNK, key_end); p0 += 16) {
-        const KeySpan sp = key_span<DH>(k32, v32, table, p0, h, hkv, bs);
-        for (int j = 0; j < NP; ++j) __builtin_prefetch(sp.k + j * bs);
-        for (int c = 0; c < 8 * DH; c += 16) __builtin_prefetch(sp.v + c);
     }
     return cv;
 }
@@ -460,7 +473,7 @@ template <int DH>
 void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t* qpos, int ntok,
             int64_t q_stride, int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,
             const int64_t* table, int64_t key_begin, int64_t key_end, int h, int g, int hkv, int bs,
-            float scale, int64_t window, Mode mode, float* const* state, const Scratch& w) {
+            float scale, int64_t window, Mode mode, float* const* state, const Scratch& w, int nh = 1) {
 #ifdef KVS_HAVE_AMX
     // On AMX a tile's rows go 16 at a time: the staged chunk is read once per 16 rows instead of
     // once per 48, from cache, and the products are ~5x faster than attend_tile's VDPBF16PS
@@ -476,9 +489,15 @@ void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t
             // Tokens [t0, t0 + nt), `gq` query heads each from head qh0.
             auto pass = [&](int t0, int nt, int gq, int qh0, bool prefetch) {
                 attend_item_amx<DH>(q, out, qrow + t0, qpos + t0, nt, q_stride, out_stride, k_cache, v_cache, table,
-                                    key_begin, key_end, h, gq, qh0, hkv, bs, scale, window, mode, state + t0,
+                                    key_begin, key_end, h, gq, qh0, 1, hkv, bs, scale, window, mode, state + t0,
                                     w.kscr, w.vscr, *w.amx, prefetch);
             };
+            if (nh > 1) {  // a decode over K/V heads h .. h + nh - 1 (paged_attention's decode items)
+                attend_item_amx<DH>(q, out, qrow, qpos, 1, q_stride, out_stride, k_cache, v_cache, table, key_begin,
+                                    key_end, h, g, h * g, nh, hkv, bs, scale, window, mode, state, w.kscr, w.vscr,
+                                    *w.amx, true);
+                return;
+            }
             const int per = std::max(1, 16 / g);
             if (g > 1 && g * ((ntok + 15) / 16) < (ntok + per - 1) / per) {
                 for (int j = 0; j < g; ++j)
@@ -505,7 +524,7 @@ void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t
 #undef KVS_TILE
 }
 
-struct WorkItem { int seq; int h; int tok0; int ntok; int part = -1; };  // part: of a split decode
+struct WorkItem { int seq; int h; int tok0; int ntok; int part = -1; int nh = 1; };  // part: of a split decode; nh: K/V heads h .. h + nh - 1
 struct SplitDecode { int seq; int parts; int slot0; };  // parts' states in slots slot0 ..
 
 constexpr int64_t SPLIT_MIN = 256;  // keys per part of a split decode, at least
@@ -568,11 +587,18 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             for (int h = 0; h < hkv; ++h)
                 pitems.push_back({gi, h, m0, std::min(TILE, size - m0)});
     }
+    // On AMX a decode's item covers as many K/V heads as fit 16 query rows (attend_item_amx).
+    int decode_heads = 1;
+#ifdef KVS_HAVE_AMX
+    if (DH == 64 && use_amx && g <= 16) decode_heads = std::min(hkv, 16 / g);
+#endif
     std::vector<WorkItem> items;
-    for (int i = 0; i < n; ++i)
+    for (int i = 0; i < n; ++i) {
+        const int step = q_len[i] == 1 ? decode_heads : 1;
         for (int t0 = 0; t0 < q_len[i]; t0 += TILE)
-            for (int h = 0; h < hkv; ++h)
-                items.push_back({i, h, t0, (int)std::min<int64_t>(TILE, q_len[i] - t0)});
+            for (int h = 0; h < hkv; h += step)
+                items.push_back({i, h, t0, (int)std::min<int64_t>(TILE, q_len[i] - t0), -1, std::min(step, hkv - h)});
+    }
     // Split decoding: with fewer items than two per thread (a small batch: one item per K/V
     // head), a thread would stream a whole context alone while the others idle. The decodes'
     // keys are then cut into parts of at least SPLIT_MIN keys, each part saves its softmax state
@@ -609,7 +635,7 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
     // small ones and threads finish together.
     auto cost = [&](const WorkItem& it) {
         const int64_t keys = seq_lens[it.seq] - q_len[it.seq] + it.tok0 + it.ntok - prefix_of[it.seq];
-        return (int64_t)it.ntok * (it.part >= 0 ? keys / splits[split_of[it.seq]].parts : keys);
+        return (int64_t)it.ntok * it.nh * (it.part >= 0 ? keys / splits[split_of[it.seq]].parts : keys);
     };
     std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
     #pragma omp parallel
@@ -626,7 +652,7 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
 #ifdef KVS_HAVE_AMX
         if (use_amx && g <= 16) {
             amx_scratch = (AmxScratch*)aligned_alloc(64, sizeof(AmxScratch));
-            amx_scratch->configured_rows = 0;
+            amx_scratch->configured = 0;
         }
 #endif
         const Scratch scratch{kscr, vscr, acc.data(), m.data(), l.data(), alpha.data(), sc, pb.data(), qT, O, pp,
@@ -672,7 +698,7 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             }
             attend<DH>(q, out, qrow, qpos, it.ntok, q_stride, out_stride, k_cache, v_cache,
                        block_tables + (int64_t)it.seq * bt_stride, key_begin, key_end, it.h, g, hkv,
-                       bs, scale, window, mode, state, scratch);
+                       bs, scale, window, mode, state, scratch, it.nh);
         }
         if (!splits.empty()) {  // implicit barrier above: every part's state is saved
             #pragma omp for schedule(static)
