@@ -60,8 +60,11 @@ inline void o_from_scratch(const float* o) {
 //   zero, so one set of O tiles holds all nh * g rows. The tile products are as many as nh
 //   passes of one head would take; what changes is the memory: the cache holds a block's heads
 //   next to each other, so a chunk now reads each block's K and V as one run of nh * 2 KB
-//   instead of 2 KB runs 6 KB apart, which the hardware prefetcher streams.
-// `prefetch`: ask for the keys ahead (false where an earlier pass over them left them in L2).
+//   instead of 2 KB runs 6 KB apart, which the hardware prefetcher streams. (A non-finite V in
+//   one head's visible keys would now reach the other heads' rows too, through 0 * inf; the
+//   model's output for that token is lost either way.)
+// `prefetch`: ask for each chunk's keys as it is staged (false where an earlier pass over them
+// left them in L2).
 template <int DH>
 void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t* qpos, int ntok,
                      int64_t q_stride, int64_t out_stride, const uint16_t* k_cache, const uint16_t* v_cache,

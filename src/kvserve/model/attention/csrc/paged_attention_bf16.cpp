@@ -599,8 +599,8 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             for (int h = 0; h < hkv; h += step)
                 items.push_back({i, h, t0, (int)std::min<int64_t>(TILE, q_len[i] - t0), -1, std::min(step, hkv - h)});
     }
-    // Split decoding: with fewer items than two per thread (a small batch: one item per K/V
-    // head), a thread would stream a whole context alone while the others idle. The decodes'
+    // Split decoding: with fewer items than two per thread (a small batch: one item per token,
+    // or per K/V head without AMX), a thread would stream a whole context alone while the others idle. The decodes'
     // keys are then cut into parts of at least SPLIT_MIN keys, each part saves its softmax state
     // as a cascade prefix does, and a last pass merges each row's parts.
     const int nthreads = omp_get_max_threads();
