@@ -486,27 +486,25 @@ void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t
     if constexpr (DH == 64)
         if (w.amx) {
             const bool l2_warm = (key_end - key_begin) * DH * 4 <= (1 << 20);
-            // Tokens [t0, t0 + nt), `gq` query heads each from head qh0.
-            auto pass = [&](int t0, int nt, int gq, int qh0, bool prefetch) {
+            // Tokens [t0, t0 + nt), `gq` query heads each from head qh0, over K/V heads h .. h + kh - 1.
+            auto pass = [&](int t0, int nt, int gq, int qh0, int kh, bool prefetch) {
                 attend_item_amx<DH>(q, out, qrow + t0, qpos + t0, nt, q_stride, out_stride, k_cache, v_cache, table,
-                                    key_begin, key_end, h, gq, qh0, 1, hkv, bs, scale, window, mode, state + t0,
+                                    key_begin, key_end, h, gq, qh0, kh, hkv, bs, scale, window, mode, state + t0,
                                     w.kscr, w.vscr, *w.amx, prefetch);
             };
             if (nh > 1) {  // a decode over K/V heads h .. h + nh - 1 (paged_attention's decode items)
-                attend_item_amx<DH>(q, out, qrow, qpos, 1, q_stride, out_stride, k_cache, v_cache, table, key_begin,
-                                    key_end, h, g, h * g, nh, hkv, bs, scale, window, mode, state, w.kscr, w.vscr,
-                                    *w.amx, true);
+                pass(0, 1, g, h * g, nh, true);
                 return;
             }
             const int per = std::max(1, 16 / g);
             if (g > 1 && g * ((ntok + 15) / 16) < (ntok + per - 1) / per) {
                 for (int j = 0; j < g; ++j)
                     for (int t0 = 0; t0 < ntok; t0 += 16)
-                        pass(t0, std::min(16, ntok - t0), 1, h * g + j, !(l2_warm && (j || t0)));
+                        pass(t0, std::min(16, ntok - t0), 1, h * g + j, 1, !(l2_warm && (j || t0)));
                 return;
             }
             for (int t0 = 0; t0 < ntok; t0 += per)
-                pass(t0, std::min(per, ntok - t0), g, h * g, !(l2_warm && t0));
+                pass(t0, std::min(per, ntok - t0), g, h * g, 1, !(l2_warm && t0));
             return;
         }
 #endif
@@ -533,7 +531,6 @@ constexpr int64_t SPLIT_MIN = 256;  // keys per part of a split decode, at least
 inline int64_t split_bound(int64_t keys, int parts, int part) {
     return part == parts ? keys : (keys * part / parts) / CHUNK * CHUNK;
 }
-
 
 // Query head `row`'s output from the states its parts saved (base-2 maxima, sums, accumulators):
 // the online softmax's own combination step, once per part.
@@ -600,9 +597,9 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
                 items.push_back({i, h, t0, (int)std::min<int64_t>(TILE, q_len[i] - t0), -1, std::min(step, hkv - h)});
     }
     // Split decoding: with fewer items than two per thread (a small batch: one item per token,
-    // or per K/V head without AMX), a thread would stream a whole context alone while the others idle. The decodes'
-    // keys are then cut into parts of at least SPLIT_MIN keys, each part saves its softmax state
-    // as a cascade prefix does, and a last pass merges each row's parts.
+    // or per K/V head without AMX), a thread would stream a whole context alone while the others
+    // idle. The decodes' keys are then cut into parts of at least SPLIT_MIN keys, each part saves
+    // its softmax state as a cascade prefix does, and a last pass merges each row's parts.
     const int nthreads = omp_get_max_threads();
     std::vector<SplitDecode> splits;
     if (items.size() < 2 * (size_t)nthreads && window == 0) {
