@@ -28,7 +28,7 @@ def gemm(request, monkeypatch):
 
 
 @pytest.mark.parametrize("n,k", [(64, 2), (960, 576), (576, 1536), (3072, 576), (128, 30), (128, 96)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 10, 13, 16, 17, 31, 32, 33, 64, 130, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 10, 13, 16, 17, 31, 32, 33, 64, 130, 300, 1100])
 def test_gemm_matches_the_float32_product_within_a_bf16_step(gemm, n, k, rows):
     g = torch.Generator().manual_seed(n + k + rows)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
@@ -79,7 +79,7 @@ def test_cpus_without_either_kernel_keep_onednn(monkeypatch):
     assert lin.gemm is None and lin.epilogue is None  # the caller runs the SiLU pass
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300, 1100])
 @pytest.mark.parametrize("inter", [32, 1536])
 def test_silu_epilogue_equals_the_separate_pass(gemm, rows, inter):
     """SiLU(gate) * up fused into the gate/up product: bit-equal to the product followed by the

@@ -8,15 +8,25 @@
 //
 // The packed weight needs no other layout: a 16-column panel is [K/2][16][2], so 16 consecutive
 // k-pairs of it (32 k) are one B tile (16 rows of 64 bytes, VNNI order), 1 KB contiguous.
-// A work item is up to 32 rows of x by one 64-column group (four panels): per 32-column half,
-// C is 2 x 2 tiles (rows 0-15 / 16-31 by panels), A two tiles of x's rows, B two panels' tiles,
-// i.e. all 8 tile registers; the float32 C tiles go to a scratch block [32][64] that the shared
-// epilogue (gemm_epilogue.h) then rounds, combines and stores row by row.
+//
+// Why the loop order is what it is (bench/NOTES.md, session 18): with C in 2 x 2 tiles, every four
+// 16-cycle products load 2 KB of A and 2 KB of B. From L1 that runs at ~75 % of the tile peak;
+// from L2 at ~40 %, which is where an item-by-item order left both operands. So a unit of work is
+// one 64-column group over a super-chunk of up to 16 row chunks (32 rows each), and it runs half by
+// half (32 columns, two panels), K slab by K slab (<= 18 k-steps, 36 KB of B), chunk by chunk:
+// the slab of B is reused from L1 by every chunk, and A is loaded with TILELOADDT1 (a hint not to
+// keep it in L1) so that A's stream does not evict it. A chunk's C tiles go to a float scratch
+// between slabs and halves. A lone chunk (decode batches <= 32 rows) has the roles swapped: its
+// rows of x are what every group reuses, so there B is the streamed operand.
+// The epilogue (rounding, SiLU * up, rotary) of chunk c runs two rows per k-step inside chunk
+// c + 1's last pass: vector work the core can overlap with the tile products, where run after
+// them it cost 20-40 % of the GEMM.
 #include <stdint.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#include <stdlib.h>
 #include <algorithm>
 #include <initializer_list>
 #include "amx.h"
@@ -26,11 +36,15 @@ namespace {
 
 using namespace gemm;
 
-constexpr int MB = 32;  // rows per work item: two tile heights
+constexpr int MB = 32;          // rows per chunk: two tile heights
+constexpr int64_t SLAB = 18;    // k-steps per K slab: two panels' slab is 36 KB, L1 holds it
+constexpr int64_t MAX_SUPER = 16;
+constexpr int64_t SUPER_BYTES = 768 * 1024;  // a super-chunk's rows of x, kept in L2
 
 // Tiles: 0-3 C (rows 0-15 x panel a, rows 0-15 x panel b, rows 16-31 x a, 16-31 x b), 4-5 A
 // (rows 0-15, 16-31), 6-7 B (panels a, b). `mr` rows: the second row tiles are unused below 17.
-void configure(int mr) {
+// Must stay inlined: outlined, LDTILECFG read its operand from a red zone and faulted.
+inline __attribute__((always_inline)) void configure(int mr) {
     amx::TileConfig c;
     const uint8_t r0 = (uint8_t)std::min(mr, 16), r1 = (uint8_t)std::max(mr - 16, 0);
     for (int t : {0, 1, 4}) { c.rows[t] = r0; c.colsb[t] = 64; }
@@ -40,43 +54,78 @@ void configure(int mr) {
     _tile_loadconfig(&c);
 }
 
-// Rows [m0, m0 + mr) of x by the 64 columns of group nb (panels 4nb .. 4nb + 3).
-void item(const uint16_t* x, int64_t K, const uint16_t* packed, int64_t nb, int64_t m0, int mr,
-          uint16_t* y, const Epilogue& e, float* scr /* [MB][64] */) {
-    const int64_t KP = K / 2, ldx = K * 2;
-    const uint16_t* xa = x + m0 * K;
-    const uint16_t* xb = xa + 16 * K;
+struct Gemm {
+    const uint16_t* x;
+    int64_t M, K;
+    const uint16_t* packed;
+    uint16_t* y;
+    Epilogue e;
+};
+
+// Row r's epilogue from the scratch row holding its 64 float32 columns.
+inline void finish_row(const Gemm& g, const float* sr, int64_t r, int64_t nb) {
+    __m512 acc[NR];
+    for (int j = 0; j < NR; ++j) acc[j] = _mm512_load_ps(sr + 16 * j);
+    store_row(acc, g.y, r, nb * 64, g.e);
+}
+
+// Column group nb (panels 4nb .. 4nb + 3) over chunks [c0, c1); scr holds [c1 - c0][MB][64] floats.
+void unit(const Gemm& g, int64_t nb, int64_t c0, int64_t c1, float* scr, int& configured) {
+    const int64_t K = g.K, KP = K / 2, ldx = K * 2, steps = K / 32;
+    const int64_t slabs = (steps + SLAB - 1) / SLAB;
+    const bool stream_b = c1 - c0 == 1;
+    const int64_t row0 = c0 * MB;
+    int64_t pending = row0, pending_end = row0;  // rows whose epilogue has not run yet
     for (int half = 0; half < 2; ++half) {
-        const uint16_t* pa = packed + (4 * nb + 2 * half) * KP * 32;
+        const uint16_t* pa = g.packed + (4 * nb + 2 * half) * KP * 32;
         const uint16_t* pb = pa + KP * 32;
-        _tile_zero(0);
-        _tile_zero(1);
-        if (mr > 16) { _tile_zero(2); _tile_zero(3); }
-        for (int64_t kb = 0; kb < K / 32; ++kb) {
-            _tile_loadd(4, xa + 32 * kb, ldx);
-            _tile_loadd(6, pa + kb * 16 * 32, 64);
-            _tile_loadd(7, pb + kb * 16 * 32, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (mr > 16) {
-                _tile_loadd(5, xb + 32 * kb, ldx);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+        for (int64_t s = 0; s < slabs; ++s) {
+            const int64_t kb0 = s * steps / slabs, kb1 = (s + 1) * steps / slabs;
+            const bool last = half == 1 && s == slabs - 1;
+            for (int64_t c = c0; c < c1; ++c) {
+                const int mr = (int)std::min<int64_t>(MB, g.M - c * MB);
+                if (mr != configured) { configure(mr); configured = mr; }
+                float* sc = scr + (c - c0) * MB * 64 + 32 * half;  // tile (i, j) at rows 16i, columns +16j
+                if (s == 0) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    if (mr > 16) { _tile_zero(2); _tile_zero(3); }
+                } else {
+                    _tile_loadd(0, sc, 256);
+                    _tile_loadd(1, sc + 16, 256);
+                    if (mr > 16) { _tile_loadd(2, sc + 16 * 64, 256); _tile_loadd(3, sc + 16 * 64 + 16, 256); }
+                }
+                const uint16_t* xa = g.x + c * MB * K;
+                const uint16_t* xb = xa + 16 * K;
+                for (int64_t kb = kb0; kb < kb1; ++kb) {
+                    for (int q = 0; last && q < 2 && pending < pending_end; ++q, ++pending)
+                        finish_row(g, scr + (pending - row0) * 64, pending, nb);
+                    if (stream_b) {
+                        _tile_loadd(4, xa + 32 * kb, ldx);
+                        _tile_stream_loadd(6, pa + kb * 16 * 32, 64);
+                        _tile_stream_loadd(7, pb + kb * 16 * 32, 64);
+                    } else {
+                        _tile_stream_loadd(4, xa + 32 * kb, ldx);
+                        _tile_loadd(6, pa + kb * 16 * 32, 64);
+                        _tile_loadd(7, pb + kb * 16 * 32, 64);
+                    }
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (mr > 16) {
+                        if (stream_b) _tile_loadd(5, xb + 32 * kb, ldx);
+                        else _tile_stream_loadd(5, xb + 32 * kb, ldx);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, sc, 256);
+                _tile_stored(1, sc + 16, 256);
+                if (mr > 16) { _tile_stored(2, sc + 16 * 64, 256); _tile_stored(3, sc + 16 * 64 + 16, 256); }
+                if (last) pending_end = c * MB + mr;
             }
         }
-        float* s = scr + 32 * half;  // C tile (i, j) at rows 16i, columns 32 half + 16j; 256-byte rows
-        _tile_stored(0, s, 256);
-        _tile_stored(1, s + 16, 256);
-        if (mr > 16) {
-            _tile_stored(2, s + 16 * 64, 256);
-            _tile_stored(3, s + 16 * 64 + 16, 256);
-        }
     }
-    for (int r = 0; r < mr; ++r) {
-        __m512 acc[NR];
-        for (int j = 0; j < NR; ++j) acc[j] = _mm512_load_ps(scr + r * 64 + 16 * j);
-        store_row(acc, y, m0 + r, nb * 64, e);
-    }
+    for (; pending < pending_end; ++pending) finish_row(g, scr + (pending - row0) * 64, pending, nb);
 }
 
 }  // namespace
@@ -86,24 +135,18 @@ extern "C" void gemm_bf16_amx(const uint16_t* x, int64_t M, int64_t K, const uin
                               uint16_t* y, int kind, const uint16_t* cos, const uint16_t* sin_signed,
                               int64_t head_dim, int64_t rope_cols) {
     if (M <= 0) return;
-    const Epilogue e = make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols);
+    const Gemm g{x, M, K, packed, y, make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols)};
     const int64_t groups = N / 64, chunks = (M + MB - 1) / MB;
-    // Items ordered (row super-chunk of 8 items, column group, chunk): a super-chunk's rows of x
-    // (256 x K bf16) stay in L2 while every column group passes over them.
-    constexpr int64_t SUPER = 8;
-    const int64_t supers = (chunks + SUPER - 1) / SUPER;
+    const int64_t super = std::max<int64_t>(1, std::min<int64_t>(MAX_SUPER, SUPER_BYTES / (MB * K * 2)));
+    const int64_t supers = (chunks + super - 1) / super;
     #pragma omp parallel
     {
-        alignas(64) float scr[MB * 64];
+        static thread_local float* scr = (float*)aligned_alloc(64, MAX_SUPER * MB * 64 * sizeof(float));
         int configured = -1;
         #pragma omp for collapse(2) schedule(static)
         for (int64_t sc = 0; sc < supers; ++sc)
             for (int64_t nb = 0; nb < groups; ++nb)
-                for (int64_t c = sc * SUPER; c < std::min(chunks, (sc + 1) * SUPER); ++c) {
-                    const int mr = (int)std::min<int64_t>(MB, M - c * MB);
-                    if (mr != configured) { configure(mr); configured = mr; }
-                    item(x, K, packed, nb, c * MB, mr, y, e, scr);
-                }
+                unit(g, nb, sc * super, std::min(chunks, (sc + 1) * super), scr, configured);
         if (configured >= 0) _tile_release();
     }
 }
