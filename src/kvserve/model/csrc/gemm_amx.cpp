@@ -62,26 +62,33 @@ struct Gemm {
     Epilogue e;
 };
 
-// Row r's epilogue from the scratch row holding its 64 float32 columns.
-inline void finish_row(const Gemm& g, const float* sr, int64_t r, int64_t nb) {
+// Row r's epilogue from the scratch row holding its 64 float32 columns (only half h0's 32 where
+// the unit covers one half, which only a PLAIN epilogue allows).
+inline void finish_row(const Gemm& g, const float* sr, int64_t r, int64_t nb, int h0, int h1) {
+    if (h1 - h0 == 1) {
+        for (int j = 0; j < 2; ++j)
+            store_bf16(g.y + r * g.e.ldy + nb * 64 + 32 * h0 + 16 * j, _mm512_load_ps(sr + 32 * h0 + 16 * j));
+        return;
+    }
     __m512 acc[NR];
     for (int j = 0; j < NR; ++j) acc[j] = _mm512_load_ps(sr + 16 * j);
     store_row(acc, g.y, r, nb * 64, g.e);
 }
 
-// Column group nb (panels 4nb .. 4nb + 3) over chunks [c0, c1); scr holds [c1 - c0][MB][64] floats.
-void unit(const Gemm& g, int64_t nb, int64_t c0, int64_t c1, float* scr, int& configured) {
+// Halves [h0, h1) of column group nb (panels 4nb + 2h .. 4nb + 2h + 1 for half h) over chunks
+// [c0, c1); scr holds [c1 - c0][MB][64] floats.
+void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, float* scr, int& configured) {
     const int64_t K = g.K, KP = K / 2, ldx = K * 2, steps = K / 32;
     const int64_t slabs = (steps + SLAB - 1) / SLAB;
     const bool stream_b = c1 - c0 == 1;
     const int64_t row0 = c0 * MB;
     int64_t pending = row0, pending_end = row0;  // rows whose epilogue has not run yet
-    for (int half = 0; half < 2; ++half) {
+    for (int half = h0; half < h1; ++half) {
         const uint16_t* pa = g.packed + (4 * nb + 2 * half) * KP * 32;
         const uint16_t* pb = pa + KP * 32;
         for (int64_t s = 0; s < slabs; ++s) {
             const int64_t kb0 = s * steps / slabs, kb1 = (s + 1) * steps / slabs;
-            const bool last = half == 1 && s == slabs - 1;
+            const bool last = half == h1 - 1 && s == slabs - 1;
             for (int64_t c = c0; c < c1; ++c) {
                 const int mr = (int)std::min<int64_t>(MB, g.M - c * MB);
                 if (mr != configured) { configure(mr); configured = mr; }
@@ -99,7 +106,7 @@ void unit(const Gemm& g, int64_t nb, int64_t c0, int64_t c1, float* scr, int& co
                 const uint16_t* xb = xa + 16 * K;
                 for (int64_t kb = kb0; kb < kb1; ++kb) {
                     for (int q = 0; last && q < 2 && pending < pending_end; ++q, ++pending)
-                        finish_row(g, scr + (pending - row0) * 64, pending, nb);
+                        finish_row(g, scr + (pending - row0) * 64, pending, nb, h0, h1);
                     if (stream_b) {
                         _tile_loadd(4, xa + 32 * kb, ldx);
                         _tile_stream_loadd(6, pa + kb * 16 * 32, 64);
@@ -125,7 +132,7 @@ void unit(const Gemm& g, int64_t nb, int64_t c0, int64_t c1, float* scr, int& co
             }
         }
     }
-    for (; pending < pending_end; ++pending) finish_row(g, scr + (pending - row0) * 64, pending, nb);
+    for (; pending < pending_end; ++pending) finish_row(g, scr + (pending - row0) * 64, pending, nb, h0, h1);
 }
 
 }  // namespace
@@ -139,14 +146,21 @@ extern "C" void gemm_bf16_amx(const uint16_t* x, int64_t M, int64_t K, const uin
     const int64_t groups = N / 64, chunks = (M + MB - 1) / MB;
     const int64_t super = std::max<int64_t>(1, std::min<int64_t>(MAX_SUPER, SUPER_BYTES / (MB * K * 2)));
     const int64_t supers = (chunks + super - 1) / super;
+    // A PLAIN epilogue lets a unit be one 32-column half: the same traffic (each half streams A
+    // and reads its own panels either way), and units that split evenly where groups are few and
+    // odd (a decode's 9 groups of o_proj and down_proj left one thread idle a ninth of the time).
+    const int parts = kind == PLAIN ? 2 : 1;
     #pragma omp parallel
     {
         static thread_local float* scr = (float*)aligned_alloc(64, MAX_SUPER * MB * 64 * sizeof(float));
         int configured = -1;
-        #pragma omp for collapse(2) schedule(static)
+        #pragma omp for collapse(3) schedule(static)
         for (int64_t sc = 0; sc < supers; ++sc)
             for (int64_t nb = 0; nb < groups; ++nb)
-                unit(g, nb, sc * super, std::min(chunks, (sc + 1) * super), scr, configured);
+                for (int part = 0; part < parts; ++part) {
+                    const int h0 = parts == 2 ? part : 0, h1 = parts == 2 ? part + 1 : 2;
+                    unit(g, nb, h0, h1, sc * super, std::min(chunks, (sc + 1) * super), scr, configured);
+                }
         if (configured >= 0) _tile_release();
     }
 }
