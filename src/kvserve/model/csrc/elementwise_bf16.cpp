@@ -20,7 +20,8 @@
 // Llama RMSNorm (normalise in float32, round, multiply by the weight in bf16).
 extern "C" void add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, int64_t delta_stride,
                                   const uint16_t* w, uint16_t* out, int64_t T, int64_t H, float eps) {
-    #pragma omp parallel for schedule(static) if (T * H >= (1 << 17))
+    // Two threads from ~16K elements: a batch-64 decode's 64 x 576 took 14-16 us on one, 9 on two.
+    #pragma omp parallel for schedule(static) if (T * H >= (1 << 14))
     for (int64_t t = 0; t < T; ++t) {
         uint16_t* ht = h + t * H;
         __m512 ss = _mm512_setzero_ps();
