@@ -12,10 +12,11 @@
 // Why the loop order is what it is (bench/NOTES.md, session 18): with C in 2 x 2 tiles, every four
 // 16-cycle products load 2 KB of A and 2 KB of B. From L1 that runs at ~75 % of the tile peak;
 // from L2 at ~40 %, which is where an item-by-item order left both operands. So a unit of work is
-// one 64-column group over a super-chunk of up to 16 row chunks (32 rows each), and it runs half by
-// half (32 columns, two panels), K slab by K slab (<= 18 k-steps, 36 KB of B), chunk by chunk:
-// the slab of B is reused from L1 by every chunk, and A is loaded with TILELOADDT1 (a hint not to
-// keep it in L1) so that A's stream does not evict it. A chunk's C tiles go to a float scratch
+// one 64-column group (one 32-column half where the epilogue is PLAIN) over a super-chunk of up to
+// 16 row chunks (32 rows each), and it runs half by half (32 columns, two panels), K slab by K
+// slab (<= 18 k-steps, 36 KB of B), chunk by chunk: the slab of B is reused from L1 by every
+// chunk, and A is loaded with TILELOADDT1 (a hint not to keep it in L1) so that A's stream does
+// not evict it. A chunk's C tiles go to a float scratch
 // between slabs and halves. A lone chunk (decode batches <= 32 rows) has the roles swapped: its
 // rows of x are what every group reuses, so there B is the streamed operand.
 // The epilogue (rounding, SiLU * up, rotary) of chunk c runs two rows per k-step inside chunk
