@@ -95,11 +95,15 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
         _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
     }
     memset(w.lv, 0, sizeof(float) * 16 * rows);
+    int64_t rpos[16], first_pos = INT64_MAX;  // each row's position; the earliest of them
+    for (int r = 0; r < rows; ++r) { rpos[r] = qpos[r / per_tok]; first_pos = std::min(first_pos, rpos[r]); }
     if (nh > 1) memset(w.p, 0, sizeof(uint16_t) * CHUNK * rows);  // other heads' rows of P stay zero
     const __m512 vscale = _mm512_set1_ps(scale * LOG2E);
     constexpr int NR = CHUNK / 16;
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
         const ChunkKeys ck = chunk_keys(kp0, key_begin, key_end);
+        // Every row sees every key of the chunk (the bulk of a long prefill): no masks to apply.
+        const bool all_seen = window <= 0 && kp0 >= key_begin && kp0 + CHUNK <= key_end && kp0 + CHUNK - 1 <= first_pos;
         for (int j = 0; j < nh; ++j) {
             const int r0 = j * rs, r1 = r0 + rs;
             const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h + j, hkv, bs,
@@ -120,7 +124,10 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
             for (int r = r0; r < r1; ++r) {
                 __mmask16 vis[NR];
                 __m512 sv[NR];
-                row_scores(w.s + r * CHUNK, qpos[r / per_tok], window, ck, vscale, sv, vis);
+                if (all_seen)
+                    for (int i = 0; i < NR; ++i) sv[i] = _mm512_mul_ps(_mm512_load_ps(w.s + r * CHUNK + 16 * i), vscale);
+                else
+                    row_scores(w.s + r * CHUNK, rpos[r], window, ck, vscale, sv, vis);
                 __mmask16 over = 0;
                 const __m512 limit = _mm512_set1_ps(m[r]);
                 for (int i = 0; i < NR; ++i) over |= _mm512_cmp_ps_mask(sv[i], limit, _CMP_GT_OQ);
@@ -143,7 +150,8 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
                 }
                 const __m512 vm = _mm512_set1_ps(m[r]);
                 for (int i = 0; i < NR; ++i) {
-                    sv[i] = _mm512_maskz_mov_ps(vis[i], exp2_512(_mm512_sub_ps(sv[i], vm)));
+                    sv[i] = exp2_512(_mm512_sub_ps(sv[i], vm));
+                    if (!all_seen) sv[i] = _mm512_maskz_mov_ps(vis[i], sv[i]);
                     sum = _mm512_add_ps(sum, sv[i]);
                 }
                 _mm512_store_ps(w.lv + 16 * r, sum);
