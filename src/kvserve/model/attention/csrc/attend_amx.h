@@ -101,9 +101,7 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
     const __m512 vscale = _mm512_set1_ps(scale * LOG2E);
     constexpr int NR = CHUNK / 16;
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
-        const ChunkKeys ck = chunk_keys(kp0, key_begin, key_end);
-        // Every row sees every key of the chunk (the bulk of a long prefill): no masks to apply.
-        const bool all_seen = window <= 0 && kp0 >= key_begin && kp0 + CHUNK <= key_end && kp0 + CHUNK - 1 <= first_pos;
+        const ChunkKeys ck = chunk_keys(kp0, key_begin, key_end, first_pos, window);
         for (int j = 0; j < nh; ++j) {
             const int r0 = j * rs, r1 = r0 + rs;
             const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h + j, hkv, bs,
@@ -124,10 +122,7 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
             for (int r = r0; r < r1; ++r) {
                 __mmask16 vis[NR];
                 __m512 sv[NR];
-                if (all_seen)
-                    for (int i = 0; i < NR; ++i) sv[i] = _mm512_mul_ps(_mm512_load_ps(w.s + r * CHUNK + 16 * i), vscale);
-                else
-                    row_scores(w.s + r * CHUNK, rpos[r], window, ck, vscale, sv, vis);
+                row_scores(w.s + r * CHUNK, rpos[r], window, ck, vscale, sv, vis);
                 __mmask16 over = 0;
                 const __m512 limit = _mm512_set1_ps(m[r]);
                 for (int i = 0; i < NR; ++i) over |= _mm512_cmp_ps_mask(sv[i], limit, _CMP_GT_OQ);
@@ -151,7 +146,7 @@ void attend_item_amx(const uint16_t* q, uint16_t* out, const int64_t* qrow, cons
                 const __m512 vm = _mm512_set1_ps(m[r]);
                 for (int i = 0; i < NR; ++i) {
                     sv[i] = exp2_512(_mm512_sub_ps(sv[i], vm));
-                    if (!all_seen) sv[i] = _mm512_maskz_mov_ps(vis[i], sv[i]);
+                    if (!ck.whole) sv[i] = _mm512_maskz_mov_ps(vis[i], sv[i]);
                     sum = _mm512_add_ps(sum, sv[i]);
                 }
                 _mm512_store_ps(w.lv + 16 * r, sum);

@@ -195,9 +195,12 @@ inline float* state_row(float* const* state, int r, int g, int h) {
 }
 
 // A chunk's key positions (16 per register) and which lie in [key_begin, key_end).
-struct ChunkKeys { __m512i pos[CHUNK / 16]; __mmask16 in[CHUNK / 16]; };
+// whole: every row sees every key of the chunk (the bulk of a prefill, all but the last chunk of a
+// decode), so row_scores applies no mask and the callers need not mask the probabilities.
+struct ChunkKeys { __m512i pos[CHUNK / 16]; __mmask16 in[CHUNK / 16]; bool whole; };
 
-inline ChunkKeys chunk_keys(int64_t kp0, int64_t key_begin, int64_t key_end) {
+// first_pos: the earliest position among the rows that read the chunk.
+inline ChunkKeys chunk_keys(int64_t kp0, int64_t key_begin, int64_t key_end, int64_t first_pos, int64_t window) {
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i vbegin = _mm512_set1_epi32((int)key_begin), vend = _mm512_set1_epi32((int)key_end);
     ChunkKeys ck;
@@ -205,6 +208,7 @@ inline ChunkKeys chunk_keys(int64_t kp0, int64_t key_begin, int64_t key_end) {
         ck.pos[i] = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(kp0 + 16 * i)));
         ck.in[i] = _mm512_cmpge_epi32_mask(ck.pos[i], vbegin) & _mm512_cmplt_epi32_mask(ck.pos[i], vend);
     }
+    ck.whole = window <= 0 && kp0 >= key_begin && kp0 + CHUNK <= key_end && kp0 + CHUNK - 1 <= first_pos;
     return ck;
 }
 
@@ -212,6 +216,13 @@ inline ChunkKeys chunk_keys(int64_t kp0, int64_t key_begin, int64_t key_end) {
 // range, not after its position `pos`, inside the window); unseen keys read -inf.
 inline void row_scores(const float* s, int64_t pos, int64_t window, const ChunkKeys& ck, __m512 vscale,
                        __m512* sv, __mmask16* vis) {
+    if (ck.whole) {
+        for (int i = 0; i < CHUNK / 16; ++i) {
+            vis[i] = 0xFFFF;
+            sv[i] = _mm512_mul_ps(_mm512_load_ps(s + 16 * i), vscale);
+        }
+        return;
+    }
     const __m512i qv = _mm512_set1_epi32((int)pos), lo = _mm512_set1_epi32((int)(pos - window));
     for (int i = 0; i < CHUNK / 16; ++i) {
         vis[i] = ck.in[i] & _mm512_cmple_epi32_mask(ck.pos[i], qv);
@@ -264,6 +275,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         for (int r = 0; r < rows; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
         memset(acc, 0, sizeof(float) * rows * DH);
     }
+    const int64_t first_pos = *std::min_element(qpos, qpos + ntok);
     for (int64_t kp0 = key_begin - key_begin % CHUNK; kp0 < key_end; kp0 += CHUNK) {
         const ChunkView cv = stage_chunk<DH>(k_cache, v_cache, table, kp0, key_begin, key_end, h, hkv, bs, kscr, vscr);
         const uint32_t* const* kh = cv.k;
@@ -276,7 +288,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
                 qk_rows<decltype(R)::value, NP>(kh[half], kstride[half], &qp[(size_t)r0 * NP], sc + r0 * CHUNK + 16 * half);
             });
         constexpr int NR = CHUNK / 16;  // float32 registers of scores per row
-        const ChunkKeys ck = chunk_keys(kp0, key_begin, key_end);
+        const ChunkKeys ck = chunk_keys(kp0, key_begin, key_end, first_pos, window);
         const __m512 vscale = _mm512_set1_ps(scale * LOG2E);
         for (int r = 0; r < rows; ++r) {
             __mmask16 vis[NR];
@@ -295,7 +307,8 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
             const __m512 vm = _mm512_set1_ps(mnew);
             __m512 vsum = _mm512_setzero_ps();
             for (int i = 0; i < NR; ++i) {
-                sv[i] = _mm512_maskz_mov_ps(vis[i], exp2_512(_mm512_sub_ps(sv[i], vm)));
+                sv[i] = exp2_512(_mm512_sub_ps(sv[i], vm));
+                if (!ck.whole) sv[i] = _mm512_maskz_mov_ps(vis[i], sv[i]);
                 vsum = _mm512_add_ps(vsum, sv[i]);
             }
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(vsum);
