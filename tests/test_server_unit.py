@@ -54,7 +54,7 @@ def test_server_defaults():
 
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
-    (["--quantization", "awq"], "weight quantization"),
+    (["--quantization", "awq"], "invalid choice: 'awq'"),
     (["--enable-lora"], "LoRA"),
     (["--speculative-config", "{}"], "speculative decoding"),
     (["--kv-cache-memory", "lots"], "cannot parse 'lots'"),

@@ -96,10 +96,12 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def make_tiny_gguf(directory: str | Path, kind: str = "llama_gqa", *, seed: int = 0, quantize: bool = False) -> Path:
+def make_tiny_gguf(directory: str | Path, kind: str = "llama_gqa", *, seed: int = 0,
+                   quantize: bool | str = False) -> Path:
     """Write `kind` (same weights as make_tiny_model) as a GGUF file the way llama.cpp's converter would.
 
-    Matrices are Q8_0 when quantize=True, else F32; norms stay F32. Llama q/k rows are permuted.
+    Matrices are Q8_0 when quantize=True (or the GGML type named, e.g. "Q4_1"; the embedding then
+    stays Q8_0, as in SmolLM2's file), else F32; norms stay F32. Llama q/k rows are permuted.
     Only llama_* kinds and qwen2_bias have a GGUF form here (llama.cpp writes Mistral as llama).
     """
     import gguf
@@ -152,8 +154,8 @@ def make_tiny_gguf(directory: str | Path, kind: str = "llama_gqa", *, seed: int 
             w = llama_cpp_permute(w, c.num_key_value_heads)
         arr = w.detach().float().numpy()
         if quantize and arr.ndim == 2:
-            writer.add_tensor(gname, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qtype = gguf.GGMLQuantizationType["Q8_0" if quantize is True or gname == "token_embd.weight" else quantize]
+            writer.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, np.ascontiguousarray(arr))
     writer.write_header_to_file()

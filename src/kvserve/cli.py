@@ -20,7 +20,7 @@ from kvserve.config import (DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULIN
 logger = logging.getLogger("kvserve")
 
 _GROUPS = {
-    "Model": ["model", "tokenizer", "served_model_name", "dtype", "device", "seed", "max_model_len"],
+    "Model": ["model", "tokenizer", "served_model_name", "dtype", "quantization", "device", "seed", "max_model_len"],
     "KV cache": ["block_size", "gpu_memory_utilization", "kv_cache_memory", "kv_cache_dtype",
                  "enable_prefix_caching", "num_gpu_blocks_override"],
     "KV offload tiers": ["swap_space", "cpu_offload_gb", "kv_disk_path", "kv_disk_size", "kv_redis_url"],
@@ -29,10 +29,13 @@ _GROUPS = {
 }
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
             "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda"),
-            "attention_backend": ("auto", "torch", "triton")}
+            "attention_backend": ("auto", "torch", "triton"), "quantization": ("gguf", "none")}
 _HELP = {
     "model": "HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory when it differs from the model's",
+    "quantization": "unset: weights as the checkpoint stores them (a GGUF file's Q4_1 / Q8_0 projections are read "
+                    "as codes at decode sizes on AMX CPUs: the same bf16 values, fewer bytes); gguf: require that; "
+                    "none: dequantize every weight at load",
     "dtype": "compute dtype of weights and activations (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32)",
     "device": "where the model runs",
     "seed": "engine-wide random seed (per-request `seed` overrides it)",

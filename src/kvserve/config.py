@@ -36,8 +36,6 @@ VLLM_REFUSED = {
     "tensor_parallel_size": ("1", "kvserve runs one device per process; tensor parallelism is not implemented"),
     "pipeline_parallel_size": ("1", "pipeline parallelism is not implemented"),
     "data_parallel_size": ("1", "data parallelism is not implemented; run one server per device"),
-    "quantization": (None, "weight quantization methods are not implemented (GGUF weights are dequantized "
-                           "at load; use --kv-cache-dtype to quantize the KV cache)"),
     "enable_lora": (None, "LoRA adapters are not implemented"),
     "lora_modules": (None, "LoRA adapters are not implemented"),
     "speculative_config": (None, "speculative decoding is not implemented"),
@@ -135,12 +133,20 @@ def check_writable(path: str | None, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: cannot write in {parent}; choose another path")
 
 
+QUANTIZATIONS = (None, "gguf", "none")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # HF directory, .gguf file, hub id; None: embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
+    # vLLM's flag. None: as the checkpoint is stored; a GGUF file's Q4_1 / Q8_0 weights then stay
+    # codes for the AMX projection kernel at decode sizes (model/weight_codes.py: the same bf16
+    # values, fewer bytes read per step). "gguf" requires a GGUF checkpoint; "none" (kvserve's)
+    # dequantizes every weight at load.
+    quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None
@@ -190,6 +196,10 @@ class EngineArgs:
 
     def validate(self) -> None:
         check_block_size(self.block_size)
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)} or unset "
+                              f"(got {self.quantization!r}); other weight formats are not implemented (use "
+                              f"--kv-cache-dtype to quantize the KV cache)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})")
         if self.kv_cache_dtype == "fp8":

@@ -35,7 +35,7 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", seed: int = 0,
                  kv_cache_options: dict | None = None, attention_backend: str = "auto",
                  cascade_attn: bool = True, cuda_graph_sizes: list[int] | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, weight_codes: dict | None = None) -> None:
         """`kv_cache_options` pass through to the cache class (quantized caches:
         num_residual_blocks, kv_scales, ...); see kvserve.model.kv_cache_fp8 / kv_cache_int.
         `cuda_graph_sizes`: decode batch sizes to capture as CUDA graphs (engine/cuda_graph.py;
@@ -48,7 +48,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_malloc_for_inference()
         backend = select_attention_backend(attention_backend, model_config, self.device, cascade=cascade_attn)
-        self.model = LlamaModel(model_config, weights, dtype, self.device, attention_backend=backend)
+        self.model = LlamaModel(model_config, weights, dtype, self.device, attention_backend=backend,
+                                weight_codes=weight_codes)
         self.kv_cache = create_kv_cache(model_config, num_blocks=num_blocks, block_size=block_size,
                                         kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=self.device,
                                         layout=backend.kv_cache_layout(kv_cache_dtype, dtype, block_size, self.device),

@@ -136,6 +136,9 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device.type)
     loaded = load_model(args.model, dtype=dtype)
+    if args.quantization == "gguf" and not loaded.codes:
+        raise ConfigError(f"--quantization gguf needs a GGUF checkpoint with Q4_1 or Q8_0 weights; {loaded.source} "
+                          f"has none (leave --quantization unset to load it as stored)")
     tokenizer = loaded.tokenizer
     if args.tokenizer:
         from kvserve.model.tokenizer import Tokenizer
@@ -148,7 +151,8 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     static_scales = _static_fp8_scales(args, loaded.weights)
     budget = kv_budget_for(args, cfg, dtype, device, gpu_budget, static_scales)
     bpb = budget.bytes_per_block
-    runner = ModelRunner(cfg, loaded.weights, dtype=dtype, device=device, block_size=args.block_size,
+    runner = ModelRunner(cfg, loaded.weights, weight_codes=None if args.quantization == "none" else loaded.codes,
+                         dtype=dtype, device=device, block_size=args.block_size,
                          num_blocks=budget.num_blocks, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                          kv_cache_options=_kv_cache_options(args, cfg, loaded.weights, static_scales),
                          attention_backend=args.attention_backend, cascade_attn=not args.disable_cascade_attn,

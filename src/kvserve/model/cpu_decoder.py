@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.model.attention.cpu_kernel import load_library
+from kvserve.model import linear
 from kvserve.model.linear import Linear
 
 if TYPE_CHECKING:
@@ -29,13 +30,20 @@ if TYPE_CHECKING:
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class ProjectionsC(ctypes.Structure):  # decoder_bf16.cpp's Projections
+    _fields_ = [(name, _P) for name in ("qkv", "o", "gate_up", "down")]
+
+
 class LayerC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLayer
-    _fields_ = [(name, _P) for name in ("qkv", "o", "gate_up", "down", "input_norm", "post_attn_norm",
-                                        "k_cache", "v_cache")]
+    _fields_ = [("packed", ProjectionsC), ("codes", ProjectionsC)] + [
+        (name, _P) for name in ("input_norm", "post_attn_norm", "k_cache", "v_cache")]
 
 
 class ModelC(ctypes.Structure):  # decoder_bf16.cpp's DecoderModel
-    _fields_ = [("gemm", _P), ("attention", _P), ("layers", ctypes.POINTER(LayerC)), ("num_layers", _INT),
+    _fields_ = [("gemm", _P), ("codes_gemm", _P), ("codes_max_rows", _I64), ("attention", _P), ("layers", ctypes.POINTER(LayerC)), ("num_layers", _INT),
                 ("final_norm", _P), ("hidden", _I64), ("inter", _I64), ("hq", _INT), ("hkv", _INT),
                 ("head_dim", _INT), ("qkv_epilogue", _INT), ("gate_up_epilogue", _INT), ("eps", _F),
                 ("scale", _F), ("window", _I64)]
@@ -62,7 +70,7 @@ def unsupported(model: LlamaModel) -> str | None:
         return "the compiled kernels are unavailable (no compiler, or no AVX512-BF16)"
     gemms = set()
     for i, layer in enumerate(model.layers):
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in _PROJECTIONS:
             lin: Linear = getattr(layer, name)
             if lin.gemm is None:
                 return f"layer {i} {name} is not on the packed bf16 kernel (a bias, or an odd shape)"
@@ -81,17 +89,27 @@ class CompiledDecoder:
                  v_blocks: list[torch.Tensor], block_size: int) -> None:
         c, attn = model.config, model.attn
         layers = model.layers
+        # Codes only where every projection of every layer has them, with one kernel.
+        codes = {_address(getattr(L, p).codes[0]) if getattr(L, p).codes else None
+                 for L in layers for p in _PROJECTIONS}
+        codes_gemm = codes.pop() if len(codes) == 1 else None
+
+        def projections(L, which: str) -> ProjectionsC:
+            if which == "codes" and codes_gemm is None:
+                return ProjectionsC()
+            return ProjectionsC(*(getattr(getattr(L, p), which)[1].data_ptr() for p in _PROJECTIONS))
+
         self._layers = (LayerC * len(layers))(*(
-            LayerC(L.qkv_proj.gemm[1].data_ptr(), L.o_proj.gemm[1].data_ptr(), L.gate_up_proj.gemm[1].data_ptr(),
-                   L.down_proj.gemm[1].data_ptr(), L.input_norm.data_ptr(), L.post_attn_norm.data_ptr(),
-                   k.data_ptr(), v.data_ptr())
+            LayerC(projections(L, "gemm"), projections(L, "codes"), L.input_norm.data_ptr(),
+                   L.post_attn_norm.data_ptr(), k.data_ptr(), v.data_ptr())
             for L, k, v in zip(layers, k_blocks, v_blocks)))
         # Every tensor whose address the structures hold, so that they outlive this decoder.
-        self._keep = ([t for L in layers for t in (L.qkv_proj.gemm[1], L.o_proj.gemm[1], L.gate_up_proj.gemm[1],
-                                                    L.down_proj.gemm[1], L.input_norm, L.post_attn_norm)],
-                      model.norm, k_blocks, v_blocks)
+        self._keep = ([t for L in layers for p in _PROJECTIONS for t in (getattr(L, p).gemm[1],
+                                                                       (getattr(L, p).codes or (0, None))[1])]
+                      + [t for L in layers for t in (L.input_norm, L.post_attn_norm)], model.norm, k_blocks, v_blocks)
         self.model = ModelC(
-            gemm=_address(layers[0].qkv_proj.gemm[0]), attention=_address(attention_kernel), layers=self._layers,
+            gemm=_address(layers[0].qkv_proj.gemm[0]), codes_gemm=codes_gemm, codes_max_rows=linear.CODES_MAX_ROWS,
+            attention=_address(attention_kernel), layers=self._layers,
             num_layers=len(layers), final_norm=model.norm.data_ptr(), hidden=c.hidden_size,
             inter=layers[0].gate_up_proj.out_features // 2, hq=c.num_attention_heads, hkv=c.num_key_value_heads,
             head_dim=c.head_dim, qkv_epilogue=layers[0].qkv_proj.epilogue.kind,

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.model import weight_codes
+from kvserve.model.weight_codes import GGUFBlocks
 
 
 class GGUFFormatError(ValueError):
@@ -189,6 +191,30 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
+def _restore_rows(name: str, w: torch.Tensor, config: ModelConfig, permuted: bool) -> torch.Tensor:
+    if permuted and ".self_attn.q_proj." in name:
+        return unpermute_rotary_rows(w, config.num_attention_heads)
+    if permuted and ".self_attn.k_proj." in name:
+        return unpermute_rotary_rows(w, config.num_key_value_heads)
+    return w
+
+
+def codes_from_gguf(gguf_file: GGUFFile, config: ModelConfig) -> dict[str, GGUFBlocks]:
+    """The 2-D tensors stored in a block format the GEMM can expand itself (Q4_1, Q8_0), as their
+    raw blocks under HF names, rows restored as for the dequantized weights."""
+    permuted = gguf_file.architecture == "llama"
+    codes: dict[str, GGUFBlocks] = {}
+    for tensor in gguf_file.reader.tensors:
+        qtype = tensor.tensor_type.name
+        if not weight_codes.supported(qtype) or len(tensor.shape) != 2:
+            continue
+        name = hf_tensor_name(tensor.name)
+        rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1))
+        codes[name] = GGUFBlocks(qtype, _restore_rows(name, blocks, config, permuted), cols)
+    return codes
+
+
 def weights_from_gguf(gguf_file: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to float32, renamed to HF, q/k rows restored, then cast to `dtype`."""
     permuted = gguf_file.architecture == "llama"  # llama.cpp permutes only for the llama arch
@@ -200,9 +226,5 @@ def weights_from_gguf(gguf_file: GGUFFile, config: ModelConfig, dtype: torch.dty
         except Exception as e:
             raise GGUFFormatError(
                 f"cannot dequantize GGUF tensor {tensor.name} ({tensor.tensor_type.name}): {e}") from None
-        if permuted and ".self_attn.q_proj." in name:
-            w = unpermute_rotary_rows(w, config.num_attention_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            w = unpermute_rotary_rows(w, config.num_key_value_heads)
-        weights[name] = w.to(dtype)
+        weights[name] = _restore_rows(name, w, config, permuted).to(dtype)
     return weights

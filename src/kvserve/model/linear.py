@@ -23,6 +23,12 @@ reorder costs as much as the product itself. Packing once at load time
 SmolLM2's per-layer projections at 1 row and stays ahead at 64 and 512 rows, with bit-identical
 results (bench/NOTES.md, "Engine optimisation").
 
+A weight loaded from GGUF blocks (Q4_1, Q8_0) can also keep those codes for the AMX kernel
+(`codes=`, model/weight_codes.py): calls of up to CODES_MAX_ROWS rows (decode steps) then read the
+codes, 3.2x / 1.9x fewer bytes than the bf16 weight, expanded tile by tile to the same bf16 values;
+larger calls (prefill chunks), where the expansion would cost more than the bytes it saves, keep
+the packed bf16 weight. Both give bit-identical outputs.
+
 float32 keeps `F.linear` (MKL sgemm): it is the reference dtype, token-exact against transformers.
 """
 from __future__ import annotations
@@ -33,9 +39,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.weight_codes import GGUFBlocks, pack_tiles
+
 log = logging.getLogger(__name__)
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
+
+# Rows up to which a layer with codes reads them rather than its bf16 weight (bench/NOTES.md,
+# session 20: below it the weight stream bounds the product, above it the tiles' expansion).
+CODES_MAX_ROWS = 256
 
 
 # gemm_bf16.cpp's EpilogueKind: nothing; SiLU(gate) * up of the two output halves; rotary
@@ -88,16 +100,18 @@ def _mkldnn_linear_available() -> bool:
 class Linear:
     """y = x W^T (+ b) for a fixed weight `[out, in]`; packs the weight when that pays."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "gemm", "epilogue")
+    __slots__ = ("weight", "bias", "packed", "out_features", "gemm", "codes", "epilogue")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
-                 epilogue: Epilogue | None = None) -> None:
+                 epilogue: Epilogue | None = None, codes: GGUFBlocks | None = None) -> None:
         """`epilogue`: fuse that pass into the product where gemm_bf16.cpp runs this layer (then
-        `self.epilogue` is set and calls return the pass's result), else leave it to the caller."""
+        `self.epilogue` is set and calls return the pass's result), else leave it to the caller.
+        `codes`: the same weight as GGUF blocks, for the AMX kernel that reads them (decode sizes)."""
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed = None
         self.gemm = None  # (kernel, packed weight) of gemm_bf16.cpp
+        self.codes = None  # (kernel, codes in tile order) of gemm_amx.cpp's GGUF entries
         self.epilogue = None
         n, k = weight.shape
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bias is None
@@ -112,6 +126,8 @@ class Linear:
                 w = (weight if order is None else weight[order]).contiguous()
                 kernels.pack(w.data_ptr(), n, k, packed.data_ptr())
                 self.gemm, self.weight = (kernels.gemm, packed), None
+                if codes is not None and kernels.k_multiple == 32:
+                    self._take_codes(codes, order, n, k)
                 return
         if pack and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES and _mkldnn_linear_available():
             try:
@@ -123,6 +139,17 @@ class Linear:
                 log.info("oneDNN weight packing unavailable (%s); using F.linear", e)
         # The plain weight is dropped once packed: the packed copy is the only one read.
         self.weight = weight if self.packed is None else None
+
+    def _take_codes(self, codes: GGUFBlocks, order: torch.Tensor | None, n: int, k: int) -> None:
+        from kvserve.model.attention.cpu_kernel import gemm_codes_kernel
+        kernel = gemm_codes_kernel(codes.qtype)
+        if kernel is None:
+            return
+        if (codes.rows, codes.cols) != (n, k):
+            raise ValueError(f"GGUF codes of {codes.rows} x {codes.cols} for a {n} x {k} weight")
+        if order is not None:
+            codes = GGUFBlocks(codes.qtype, codes.blocks[order], codes.cols)
+        self.codes = (kernel, pack_tiles(codes))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor | None = None,
                  sin_signed: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,6 +173,8 @@ class Linear:
                                      f"{rows.shape[0]} x {epi.head_dim}")
                 cos_p, sin_p = cos.data_ptr(), sin_signed.data_ptr()
             y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)
+            if self.codes is not None and rows.shape[0] <= CODES_MAX_ROWS:
+                kernel, packed = self.codes
             if rows.shape[0]:
                 kernel(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), self.out_features, y.data_ptr(),
                        epi.kind, cos_p, sin_p, epi.head_dim, epi.rope_cols)

@@ -19,6 +19,8 @@ from kvserve.model.attention.torch_backend import TorchAttentionBackend
 from kvserve.model.fused import ElementwiseOps
 from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import SILU_MUL, Epilogue, Linear, rope_epilogue
+from kvserve.model.weight_codes import GGUFBlocks
+from kvserve.model.weight_codes import cat as weight_codes_cat
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -53,7 +55,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class _Layer:
     """One decoder layer's weights, fused and cast."""
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, take, rope: Epilogue) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, take, rope: Epilogue, codes) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
         qkv_weight = torch.cat([take(a + f"{p}_proj.weight") for p in "qkv"])
         self.qkv_shape = tuple(qkv_weight.shape)
@@ -61,11 +63,12 @@ class _Layer:
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
             raise ValueError(f"{a}: q/k/v biases must be all present or all absent")
         qkv_bias = torch.cat([take(a + f"{p}_proj.bias") for p in "qkv"]) if biases[0] is not None else None
-        self.qkv_proj = Linear(qkv_weight, qkv_bias, epilogue=rope)
-        self.o_proj = Linear(take(a + "o_proj.weight"), take(a + "o_proj.bias") if a + "o_proj.bias" in w else None)
+        self.qkv_proj = Linear(qkv_weight, qkv_bias, epilogue=rope, codes=codes(*(a + f"{p}_proj.weight" for p in "qkv")))
+        self.o_proj = Linear(take(a + "o_proj.weight"), take(a + "o_proj.bias") if a + "o_proj.bias" in w else None,
+                             codes=codes(a + "o_proj.weight"))
         self.gate_up_proj = Linear(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
-                                   epilogue=SILU_MUL)
-        self.down_proj = Linear(take(m + "down_proj.weight"))
+                                   epilogue=SILU_MUL, codes=codes(m + "gate_proj.weight", m + "up_proj.weight"))
+        self.down_proj = Linear(take(m + "down_proj.weight"), codes=codes(m + "down_proj.weight"))
         self.input_norm = take(prefix + "input_layernorm.weight")
         self.post_attn_norm = take(prefix + "post_attention_layernorm.weight")
 
@@ -73,7 +76,10 @@ class _Layer:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu",
-                 attention_backend: AttentionBackend | None = None) -> None:
+                 attention_backend: AttentionBackend | None = None,
+                 weight_codes: dict[str, GGUFBlocks] | None = None) -> None:
+        """`weight_codes`: GGUF blocks of some weights (loader.LoadedModel.codes), which bf16
+        projections on AMX CPUs read at decode sizes instead of their bf16 copies (model/linear.py)."""
         if config.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {config.architecture!r} is not supported; "
                              f"kvserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -86,22 +92,25 @@ class LlamaModel:
                 raise KeyError(f"weight {name!r} missing from the checkpoint of {config.name}")
             return weights[name].to(device=self.device, dtype=dtype)
 
+        def codes(*names: str) -> GGUFBlocks | None:
+            return weight_codes_cat([weight_codes.get(n) for n in names]) if weight_codes else None
+
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
         expect_qkv = self.q_size + 2 * self.kv_size
         self.embed_tokens = take("model.embed_tokens.weight")
         rope = rope_epilogue(c.head_dim, self.q_size + self.kv_size)
-        self.layers = [_Layer(weights, f"model.layers.{i}.", take, rope) for i in range(c.num_hidden_layers)]
+        self.layers = [_Layer(weights, f"model.layers.{i}.", take, rope, codes) for i in range(c.num_hidden_layers)]
         for i, layer in enumerate(self.layers):
             if layer.qkv_shape != (expect_qkv, c.hidden_size):
                 raise ValueError(f"layer {i}: fused qkv weight is {layer.qkv_shape}, "
                                  f"config implies ({expect_qkv}, {c.hidden_size}); check head_dim / heads")
         self.norm = take("model.norm.weight")
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed_tokens)
+            self.lm_head = Linear(self.embed_tokens, codes=codes("model.embed_tokens.weight"))
         else:
-            self.lm_head = Linear(take("lm_head.weight"))
+            self.lm_head = Linear(take("lm_head.weight"), codes=codes("lm_head.weight"))
         self.inv_freq = rope_inv_freq(c).to(self.device)
         self.ops = ElementwiseOps(dtype, self.device)
         self.attn = attention_backend or TorchAttentionBackend(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model import gguf_cache
-from kvserve.model.gguf import GGUFFormatError, config_from_gguf, read_gguf, weights_from_gguf
+from kvserve.model.gguf import GGUFFormatError, codes_from_gguf, config_from_gguf, read_gguf, weights_from_gguf
+from kvserve.model.weight_codes import GGUFBlocks
 from kvserve.model.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # HF names; lm_head.weight absent when embeddings are tied
     tokenizer: Tokenizer
     source: str  # path actually loaded
+    # GGUF tensors also kept as their raw blocks (model/weight_codes.py), HF names; empty otherwise
+    codes: dict[str, GGUFBlocks] = field(default_factory=dict)
 
 
 # generation_config.json key -> SamplingParams field: the values vLLM's --generation-config auto applies.
@@ -208,7 +211,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, use_cache: b
     path = Path(path)
     cached = gguf_cache.load_cached(path) if use_cache else None
     if cached is not None:
-        config, weights, tokenizer = cached
+        config, weights, codes, tokenizer = cached
         weights = {k: v.to(dtype) for k, v in weights.items()}
     else:
         try:
@@ -216,14 +219,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, use_cache: b
             config = config_from_gguf(gguf_file)
             tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata)
             weights = weights_from_gguf(gguf_file, config, torch.float32)
+            codes = codes_from_gguf(gguf_file, config)
         except (GGUFFormatError, TokenizerError) as e:
             raise ModelLoadError(str(e)) from None
         tokenizer.add_eos_token_ids(config.eos_token_ids)
         if use_cache:
-            gguf_cache.store(path, config, weights, tokenizer)
+            gguf_cache.store(path, config, weights, codes, tokenizer)
         weights = {k: v.to(dtype) for k, v in weights.items()}
     _check_weights(weights, config, str(path))
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), codes=codes)
 
 
 def load_hf_directory(directory: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -205,6 +205,9 @@ def load_library() -> ctypes.CDLL | None:
             lib.gemm_bf16_amx.argtypes = lib.gemm_bf16.argtypes
             lib.gemm_bf16_amx.restype = None
             lib.gemm_amx_available.restype = ctypes.c_int
+            for name in ("gemm_q4_1_amx", "gemm_q8_0_amx"):  # over GGUF codes (csrc/weight_tiles.h)
+                getattr(lib, name).argtypes = lib.gemm_bf16.argtypes
+                getattr(lib, name).restype = None
             lib.run_decoder_bf16.argtypes = [_P, _P]  # DecoderModel*, DecoderStep* (model/cpu_decoder.py)
             lib.run_decoder_bf16.restype = ctypes.c_int
             lib.argmax_bf16_rows.argtypes = [_P, _I64, _I64, _I64, _P]  # x, rows, cols, row stride, out int64
@@ -306,6 +309,16 @@ def gemm_bf16_kernels(amx: bool | None = None) -> GemmBf16 | None:
     if amx:
         return None
     return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16, 2)
+
+
+def gemm_codes_kernel(qtype: str):
+    """The AMX projection kernel over GGUF codes of `qtype` (model/weight_codes.py), or None where
+    the CPU has no AMX or the type has no kernel."""
+    lib = load_library()
+    name = {"Q4_1": "gemm_q4_1_amx", "Q8_0": "gemm_q8_0_amx"}.get(qtype)
+    if name is None or lib is None or not lib.gemm_bf16_available() or not lib.gemm_amx_available():
+        return None
+    return getattr(lib, name)
 
 
 def varlen_kernel_for(dtype: torch.dtype, head_dim: int, device: torch.device):

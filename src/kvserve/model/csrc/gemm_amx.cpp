@@ -32,6 +32,7 @@
 #include <initializer_list>
 #include "amx.h"
 #include "gemm_epilogue.h"
+#include "weight_tiles.h"
 
 namespace {
 
@@ -40,6 +41,9 @@ using namespace gemm;
 constexpr int MB = 32;          // rows per chunk: two tile heights
 constexpr int64_t SLAB = 18;    // k-steps per K slab: two panels' slab is 36 KB, L1 holds it
 constexpr int64_t MAX_SUPER = 16;
+#ifndef AHEAD
+#define AHEAD 8
+#endif
 constexpr int64_t SUPER_BYTES = 768 * 1024;  // a super-chunk's rows of x, kept in L2
 
 // Tiles: 0-3 C (rows 0-15 x panel a, rows 0-15 x panel b, rows 16-31 x a, 16-31 x b), 4-5 A
@@ -58,7 +62,7 @@ inline __attribute__((always_inline)) void configure(int mr) {
 struct Gemm {
     const uint16_t* x;
     int64_t M, K;
-    const uint16_t* packed;
+    const void* packed;  // bf16 panels, or GGUF codes in tile order (weight_tiles.h)
     uint16_t* y;
     Epilogue e;
 };
@@ -78,17 +82,38 @@ inline void finish_row(const Gemm& g, const float* sr, int64_t r, int64_t nb, in
 
 // Halves [h0, h1) of column group nb (panels 4nb + 2h .. 4nb + 2h + 1 for half h) over chunks
 // [c0, c1); scr holds [c1 - c0][MB][64] floats.
-void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, float* scr, int& configured) {
+template <int FMT>
+void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, float* scr, uint16_t* bbuf,
+          int& configured) {
     const int64_t K = g.K, KP = K / 2, ldx = K * 2, steps = K / 32;
     const int64_t slabs = (steps + SLAB - 1) / SLAB;
-    const bool stream_b = c1 - c0 == 1;
+    const bool stream_b = FMT == tiles::BF16 && c1 - c0 == 1;
     const int64_t row0 = c0 * MB;
     int64_t pending = row0, pending_end = row0;  // rows whose epilogue has not run yet
     for (int half = h0; half < h1; ++half) {
-        const uint16_t* pa = g.packed + (4 * nb + 2 * half) * KP * 32;
-        const uint16_t* pb = pa + KP * 32;
+        const int64_t panel = 4 * nb + 2 * half;
         for (int64_t s = 0; s < slabs; ++s) {
             const int64_t kb0 = s * steps / slabs, kb1 = (s + 1) * steps / slabs;
+            // B tile kb of the half's two panels: in the packed weight, or dequantized into bbuf
+            // (slab-relative), one k-step ahead of the first chunk's products that read it.
+            const uint16_t* pa;
+            const uint16_t* pb;
+            uint16_t* const qa = bbuf;
+            uint16_t* const qb = bbuf + SLAB * 512;
+            int64_t boff;
+            if constexpr (FMT == tiles::BF16) {
+                pa = (const uint16_t*)g.packed + panel * KP * 32;
+                pb = pa + KP * 32;
+                boff = 0;
+            } else {
+                pa = qa;
+                pb = qb;
+                boff = kb0;
+                for (int64_t kb = kb0; kb < std::min(kb1, kb0 + AHEAD); ++kb) {
+                    tiles::dequantize<FMT>(g.packed, panel, steps, kb, qa + (kb - kb0) * 512);
+                    tiles::dequantize<FMT>(g.packed, panel + 1, steps, kb, qb + (kb - kb0) * 512);
+                }
+            }
             const bool last = half == h1 - 1 && s == slabs - 1;
             for (int64_t c = c0; c < c1; ++c) {
                 const int mr = (int)std::min<int64_t>(MB, g.M - c * MB);
@@ -108,14 +133,20 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
                 for (int64_t kb = kb0; kb < kb1; ++kb) {
                     for (int q = 0; last && q < 2 && pending < pending_end; ++q, ++pending)
                         finish_row(g, scr + (pending - row0) * 64, pending, nb, h0, h1);
+                    if constexpr (FMT != tiles::BF16) {
+                        if (c == c0 && kb + AHEAD < kb1) {
+                            tiles::dequantize<FMT>(g.packed, panel, steps, kb + AHEAD, qa + (kb + AHEAD - boff) * 512);
+                            tiles::dequantize<FMT>(g.packed, panel + 1, steps, kb + AHEAD, qb + (kb + AHEAD - boff) * 512);
+                        }
+                    }
                     if (stream_b) {
                         _tile_loadd(4, xa + 32 * kb, ldx);
-                        _tile_stream_loadd(6, pa + kb * 16 * 32, 64);
-                        _tile_stream_loadd(7, pb + kb * 16 * 32, 64);
+                        _tile_stream_loadd(6, pa + (kb - boff) * 16 * 32, 64);
+                        _tile_stream_loadd(7, pb + (kb - boff) * 16 * 32, 64);
                     } else {
                         _tile_stream_loadd(4, xa + 32 * kb, ldx);
-                        _tile_loadd(6, pa + kb * 16 * 32, 64);
-                        _tile_loadd(7, pb + kb * 16 * 32, 64);
+                        _tile_loadd(6, pa + (kb - boff) * 16 * 32, 64);
+                        _tile_loadd(7, pb + (kb - boff) * 16 * 32, 64);
                     }
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
@@ -136,12 +167,10 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
     for (; pending < pending_end; ++pending) finish_row(g, scr + (pending - row0) * 64, pending, nb, h0, h1);
 }
 
-}  // namespace
-
 // gemm_bf16's contract (same packed weight, same epilogues), for K % 32 == 0.
-extern "C" void gemm_bf16_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
-                              uint16_t* y, int kind, const uint16_t* cos, const uint16_t* sin_signed,
-                              int64_t head_dim, int64_t rope_cols) {
+template <int FMT>
+void run(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, uint16_t* y, int kind,
+         const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim, int64_t rope_cols) {
     if (M <= 0) return;
     const Gemm g{x, M, K, packed, y, make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols)};
     const int64_t groups = N / 64, chunks = (M + MB - 1) / MB;
@@ -154,21 +183,38 @@ extern "C" void gemm_bf16_amx(const uint16_t* x, int64_t M, int64_t K, const uin
     #pragma omp parallel
     {
         static thread_local float* scr = (float*)aligned_alloc(64, MAX_SUPER * MB * 64 * sizeof(float));
+        static thread_local uint16_t* bbuf = (uint16_t*)aligned_alloc(64, 2 * SLAB * 512 * sizeof(uint16_t));
         int configured = -1;
         #pragma omp for collapse(3) schedule(static)
         for (int64_t sc = 0; sc < supers; ++sc)
             for (int64_t nb = 0; nb < groups; ++nb)
                 for (int part = 0; part < parts; ++part) {
                     const int h0 = parts == 2 ? part : 0, h1 = parts == 2 ? part + 1 : 2;
-                    unit(g, nb, h0, h1, sc * super, std::min(chunks, (sc + 1) * super), scr, configured);
+                    unit<FMT>(g, nb, h0, h1, sc * super, std::min(chunks, (sc + 1) * super), scr, bbuf, configured);
                 }
         if (configured >= 0) _tile_release();
     }
 }
 
+}  // namespace
+
+#define GEMM_AMX_ENTRY(name, FMT)                                                                              \
+    extern "C" void name(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, uint16_t* y,  \
+                         int kind, const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim,           \
+                         int64_t rope_cols) {                                                                   \
+        run<FMT>(x, M, K, packed, N, y, kind, cos, sin_signed, head_dim, rope_cols);                           \
+    }
+GEMM_AMX_ENTRY(gemm_bf16_amx, tiles::BF16)
+GEMM_AMX_ENTRY(gemm_q4_1_amx, tiles::Q4_1)
+GEMM_AMX_ENTRY(gemm_q8_0_amx, tiles::Q8_0)
+
 extern "C" int gemm_amx_available() { return amx::permitted() ? 1 : 0; }
 #else
-extern "C" void gemm_bf16_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, uint16_t*, int,
-                              const uint16_t*, const uint16_t*, int64_t, int64_t) {}
+#define GEMM_AMX_STUB(name)                                                                                   \
+    extern "C" void name(const uint16_t*, int64_t, int64_t, const void*, int64_t, uint16_t*, int,            \
+                         const uint16_t*, const uint16_t*, int64_t, int64_t) {}
+GEMM_AMX_STUB(gemm_bf16_amx)
+GEMM_AMX_STUB(gemm_q4_1_amx)
+GEMM_AMX_STUB(gemm_q8_0_amx)
 extern "C" int gemm_amx_available() { return 0; }
 #endif

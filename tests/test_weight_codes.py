@@ -1,0 +1,157 @@
+"""GGUF weights read as codes by the AMX projection kernel (model/weight_codes.py, csrc/weight_tiles.h).
+
+The claim is exactness: a projection over the Q4_1 / Q8_0 codes gives the same bits as the same
+projection over the bf16 weights the loader dequantizes, for every row count and epilogue, and an
+engine on a GGUF checkpoint generates the same tokens with the codes as without them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.model import linear as linear_mod
+from kvserve.model.attention import cpu_kernel
+from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue
+from kvserve.model.weight_codes import GGUFBlocks, pack_tiles
+
+from tiny_models import make_tiny_gguf
+
+AMX = cpu_kernel.gemm_codes_kernel("Q4_1") is not None
+needs_amx = pytest.mark.skipif(not AMX, reason="the codes kernels need a CPU with AMX")
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> GGUFBlocks:
+    """Blocks as llama.cpp writes them: float16 d (and m), then the codes."""
+    g = torch.Generator().manual_seed(seed)
+    s = k // 32
+    d = (torch.rand(n, s, 1, generator=g) * 0.01 + 1e-4).half().view(torch.uint8)
+    if qtype == "Q4_1":
+        m = (-torch.rand(n, s, 1, generator=g) * 0.08).half().view(torch.uint8)
+        parts = [d, m, torch.randint(0, 256, (n, s, 16), generator=g, dtype=torch.uint8)]
+    else:
+        parts = [d, torch.randint(-128, 128, (n, s, 32), generator=g, dtype=torch.int8).view(torch.uint8)]
+    return GGUFBlocks(qtype, torch.cat(parts, -1).reshape(n, -1).contiguous(), k)
+
+
+def reference_dequantize(w: GGUFBlocks) -> torch.Tensor:
+    """ggml's formulas in plain torch: Q4_1 x = d * q + m (q: low nibbles, then high), Q8_0 x = d * q."""
+    b = w.blocks.view(w.rows, w.cols // 32, -1)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    if w.qtype == "Q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16).float()
+        q = torch.cat((b[..., 4:] & 15, b[..., 4:] >> 4), -1).float()
+        return (d * q + m).reshape(w.rows, w.cols)
+    return (d * b[..., 2:].view(torch.int8).float()).reshape(w.rows, w.cols)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_blocks_dequantize_and_tile_order(qtype):
+    w = random_blocks(qtype, 48, 96)
+    assert torch.equal(w.dequantize(), reference_dequantize(w))
+    tiles = pack_tiles(w)
+    per_tile = 320 if qtype == "Q4_1" else 544
+    assert tiles.shape == (3, 3, per_tile)
+    # tile (panel 1, step 2): row r, lane 2c + j is column 16 + c, k = 64 + 2r + j
+    x = reference_dequantize(w)[16:32, 64:96]  # [column, k]
+    t = tiles[1, 2]
+    if qtype == "Q4_1":
+        q = torch.cat((t[:256].view(16, 16) & 15, t[:256].view(16, 16) >> 4), -1).float()  # [r, lane]
+        d, m = t[256:288].view(torch.float16).float(), t[288:320].view(torch.float16).float()
+        lane_col = torch.arange(32) // 2
+        values = q * d[lane_col] + m[lane_col]
+    else:
+        d = t[512:].view(torch.float16).float()
+        values = t[:512].view(torch.int8).view(16, 32).float() * d[torch.arange(32) // 2]
+    assert torch.equal(values, x.reshape(16, 16, 2).permute(1, 0, 2).reshape(16, 32))
+    with pytest.raises(ValueError, match="rows % 16 == 0"):
+        pack_tiles(random_blocks(qtype, 40, 96))
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k,epilogue", [(64, 64, None), (512, 64, "rope"), (960, 576, "rope"), (576, 576, None),
+                                          (3072, 576, "silu"), (576, 1536, None), (256, 64, "silu")])
+def test_codes_gemm_is_bit_identical_to_the_bf16_gemm(monkeypatch, qtype, n, k, epilogue):
+    monkeypatch.setattr(linear_mod, "CODES_MAX_ROWS", 1 << 30)  # the codes at every size
+    w = random_blocks(qtype, n, k, seed=n + k)
+    dense = w.dequantize().bfloat16()
+    epi = {"rope": rope_epilogue(64, n - 64 if n > 64 else 64), "silu": SILU_MUL, None: None}[epilogue]
+    plain, coded = Linear(dense, epilogue=epi), Linear(dense, epilogue=epi, codes=w)
+    assert plain.codes is None and coded.codes is not None
+    assert coded.epilogue == plain.epilogue
+    g = torch.Generator().manual_seed(k)
+    for rows in (1, 5, 16, 17, 32, 33, 64, 100, 300):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        args = ()
+        if epi is not None and epi.kind == rope_epilogue(64, 64).kind:
+            pos = torch.randint(0, 4096, (rows, 1), generator=g).float()
+            ang = pos * torch.rand(1, 32, generator=g)
+            args = (torch.cat((ang.cos(), ang.cos()), -1).bfloat16().contiguous(),
+                    torch.cat((-ang.sin(), ang.sin()), -1).bfloat16().contiguous())
+        assert torch.equal(coded(x, *args), plain(x, *args)), rows
+
+
+@needs_amx
+def test_codes_serve_decode_sizes_and_the_bf16_weight_the_rest(monkeypatch):
+    w = random_blocks("Q4_1", 64, 64)
+    lin = Linear(w.dequantize().bfloat16(), codes=w)
+    calls = []
+    for name in ("gemm", "codes"):
+        kernel, packed = getattr(lin, name)
+        setattr(lin, name, (lambda *a, _k=kernel, _n=name: (calls.append(_n), _k(*a))[1], packed))
+    lin(torch.zeros(linear_mod.CODES_MAX_ROWS, 64).bfloat16())
+    lin(torch.zeros(linear_mod.CODES_MAX_ROWS + 1, 64).bfloat16())
+    assert calls == ["codes", "gemm"]
+    with pytest.raises(ValueError, match="GGUF codes of 64 x 96 for a 64 x 64 weight"):
+        Linear(w.dequantize().bfloat16(), codes=random_blocks("Q4_1", 64, 96))
+
+
+def test_gguf_load_keeps_codes_equal_to_the_weights(tmp_path, monkeypatch):
+    from kvserve.model.loader import load_gguf
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = make_tiny_gguf(tmp_path, "llama_d64", quantize="Q4_1")
+    fresh = load_gguf(path, torch.float32, use_cache=False)
+    load_gguf(path, torch.float32)  # stores the cache entry
+    cached = load_gguf(path, torch.float32)
+    matrices = {k for k, v in fresh.weights.items() if v.dim() == 2}
+    assert set(fresh.codes) == matrices == set(cached.codes)
+    for name, codes in fresh.codes.items():
+        assert codes.qtype == ("Q8_0" if "embed" in name else "Q4_1"), name
+        # the q/k rows come back in HF order, as the dequantized weights do
+        assert torch.equal(codes.dequantize(), fresh.weights[name]), name
+        assert cached.codes[name].qtype == codes.qtype and torch.equal(cached.codes[name].blocks, codes.blocks)
+
+
+@needs_amx
+def test_engine_tokens_and_logits_identical_with_and_without_codes(tmp_path, monkeypatch):
+    from kvserve import LLM, SamplingParams
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(make_tiny_gguf(tmp_path, "llama_d64", quantize="Q4_1"))
+    prompts = [[(7 * i + j) % 49152 for j in range(3 + 11 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = {}
+    for q in (None, "none"):
+        llm = LLM(path, dtype="bfloat16", quantization=q, kv_cache_memory=2**24)
+        model = llm.engine.runner.model
+        assert (model.layers[0].down_proj.codes is not None) == (q is None)
+        assert (model.lm_head.codes is not None) == (q is None)
+        decoder = model.compiled_decoder(llm.engine.runner.kv_cache)
+        assert decoder is not None and bool(decoder.model.codes_gemm) == (q is None)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs[q] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in outs]
+    assert runs[None] == runs["none"]
+
+
+def test_quantization_flag_is_checked(tmp_path):
+    from kvserve.config import ConfigError, EngineArgs
+    from kvserve.engine.setup import build_engine_parts
+
+    from tiny_models import make_tiny_model
+
+    with pytest.raises(ConfigError, match="--quantization must be one of gguf, none or unset"):
+        EngineArgs(quantization="awq").validate()
+    args = EngineArgs(model=str(make_tiny_model(tmp_path, "llama_d64")), quantization="gguf")
+    args.validate()
+    with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF checkpoint"):
+        build_engine_parts(args)
