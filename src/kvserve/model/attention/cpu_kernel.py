@@ -52,7 +52,8 @@ _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC /
             CSRC.parents[1] / "csrc" / "argmax_bf16.cpp")
 # Part of the cache key, not compiled alone.
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC.parents[1] / "csrc" / "bf16_vec.h",
-            CSRC.parents[1] / "csrc" / "gemm_epilogue.h", CSRC.parents[1] / "csrc" / "amx.h", CSRC / "attend_amx.h",
+            CSRC.parents[1] / "csrc" / "gemm_epilogue.h", CSRC.parents[1] / "csrc" / "amx.h",
+            CSRC.parents[1] / "csrc" / "weight_tiles.h", CSRC / "attend_amx.h",
             CSRC / "quant_fields.h")
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
