@@ -88,8 +88,8 @@ def main() -> None:
                     best[codes] = [min(best[codes][0], layers_s), min(best[codes][1], head_s)]
                 if not all(torch.equal(a, b) for a, b in zip(outs[False], outs[True])):
                     sys.exit(f"codes and bf16 outputs differ at {rows} rows")
-            results.append({"rows": rows, "bf16_layers_ms": best[False][0] * 1e3, "codes_layers_ms": best[True][0] * 1e3,
-                            "bf16_lm_head_ms": best[False][1] * 1e3, "codes_lm_head_ms": best[True][1] * 1e3,
+            results.append({"rows": rows, "bf16_layers_ms": best[False][0] * 1e3,
+                            "codes_layers_ms": best[True][0] * 1e3, "bf16_lm_head_ms": best[False][1] * 1e3, "codes_lm_head_ms": best[True][1] * 1e3,
                             "codes_used_by_default": rows <= default_max})
     finally:
         linear.CODES_MAX_ROWS = default_max

@@ -43,7 +43,8 @@ class LayerC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLayer
 
 
 class ModelC(ctypes.Structure):  # decoder_bf16.cpp's DecoderModel
-    _fields_ = [("gemm", _P), ("codes_gemm", _P), ("codes_max_rows", _I64), ("attention", _P), ("layers", ctypes.POINTER(LayerC)), ("num_layers", _INT),
+    _fields_ = [("gemm", _P), ("codes_gemm", _P), ("codes_max_rows", _I64), ("attention", _P),
+                ("layers", ctypes.POINTER(LayerC)), ("num_layers", _INT),
                 ("final_norm", _P), ("hidden", _I64), ("inter", _I64), ("hq", _INT), ("hkv", _INT),
                 ("head_dim", _INT), ("qkv_epilogue", _INT), ("gate_up_epilogue", _INT), ("eps", _F),
                 ("scale", _F), ("window", _I64)]

@@ -63,7 +63,8 @@ class _Layer:
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
             raise ValueError(f"{a}: q/k/v biases must be all present or all absent")
         qkv_bias = torch.cat([take(a + f"{p}_proj.bias") for p in "qkv"]) if biases[0] is not None else None
-        self.qkv_proj = Linear(qkv_weight, qkv_bias, epilogue=rope, codes=codes(*(a + f"{p}_proj.weight" for p in "qkv")))
+        self.qkv_proj = Linear(qkv_weight, qkv_bias, epilogue=rope,
+                               codes=codes(*(a + f"{p}_proj.weight" for p in "qkv")))
         self.o_proj = Linear(take(a + "o_proj.weight"), take(a + "o_proj.bias") if a + "o_proj.bias" in w else None,
                              codes=codes(a + "o_proj.weight"))
         self.gate_up_proj = Linear(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),

@@ -22,6 +22,9 @@
 // The epilogue (rounding, SiLU * up, rotary) of chunk c runs two rows per k-step inside chunk
 // c + 1's last pass: vector work the core can overlap with the tile products, where run after
 // them it cost 20-40 % of the GEMM.
+// gemm_q4_1_amx / gemm_q8_0_amx run the same loops over a weight kept as GGUF codes
+// (weight_tiles.h): the first chunk's pass expands each B tile into a per-thread L1 buffer, and
+// every chunk reads it from there; the outputs equal gemm_bf16_amx's over the dequantized weight.
 #include <stdint.h>
 #include <string.h>
 
@@ -41,9 +44,10 @@ using namespace gemm;
 constexpr int MB = 32;          // rows per chunk: two tile heights
 constexpr int64_t SLAB = 18;    // k-steps per K slab: two panels' slab is 36 KB, L1 holds it
 constexpr int64_t MAX_SUPER = 16;
-#ifndef AHEAD
-#define AHEAD 8
-#endif
+// GGUF codes: B tiles expanded this many k-steps ahead of the products that read them. At one, a
+// tile load waits on stores that retire only after the previous k-step's products; 2, 4 and 8
+// measured alike (bench/NOTES.md, session 20).
+constexpr int64_t AHEAD = 8;
 constexpr int64_t SUPER_BYTES = 768 * 1024;  // a super-chunk's rows of x, kept in L2
 
 // Tiles: 0-3 C (rows 0-15 x panel a, rows 0-15 x panel b, rows 16-31 x a, 16-31 x b), 4-5 A
@@ -94,8 +98,9 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
         const int64_t panel = 4 * nb + 2 * half;
         for (int64_t s = 0; s < slabs; ++s) {
             const int64_t kb0 = s * steps / slabs, kb1 = (s + 1) * steps / slabs;
-            // B tile kb of the half's two panels: in the packed weight, or dequantized into bbuf
-            // (slab-relative), one k-step ahead of the first chunk's products that read it.
+            // B tile kb of the half's two panels: in the packed weight, or expanded from the codes
+            // into bbuf (slab-relative) AHEAD k-steps ahead of the first chunk's products, for
+            // every later chunk to reuse from L1.
             const uint16_t* pa;
             const uint16_t* pb;
             uint16_t* const qa = bbuf;
@@ -135,8 +140,9 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
                         finish_row(g, scr + (pending - row0) * 64, pending, nb, h0, h1);
                     if constexpr (FMT != tiles::BF16) {
                         if (c == c0 && kb + AHEAD < kb1) {
-                            tiles::dequantize<FMT>(g.packed, panel, steps, kb + AHEAD, qa + (kb + AHEAD - boff) * 512);
-                            tiles::dequantize<FMT>(g.packed, panel + 1, steps, kb + AHEAD, qb + (kb + AHEAD - boff) * 512);
+                            const int64_t kn = kb + AHEAD;
+                            tiles::dequantize<FMT>(g.packed, panel, steps, kn, qa + (kn - boff) * 512);
+                            tiles::dequantize<FMT>(g.packed, panel + 1, steps, kn, qb + (kn - boff) * 512);
                         }
                     }
                     if (stream_b) {

@@ -55,8 +55,9 @@ inline void dequantize(const void* codes, int64_t p, int64_t steps, int64_t kb, 
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(t + 512)));
         const __m512 d0 = spread_lo(d), d1 = spread_hi(d);
         for (int r = 0; r < 16; ++r) {
-            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(t + 32 * r))));
-            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(t + 32 * r + 16))));
+            const __m128i* row = (const __m128i*)(t + 32 * r);
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
             _mm512_store_si512((__m512i*)(dst + 32 * r),
                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(q1, d1), _mm512_mul_ps(q0, d0)));
         }
