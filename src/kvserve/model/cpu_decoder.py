@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.model.attention.cpu_kernel import load_library
 from kvserve.model import linear
+from kvserve.model.attention.cpu_kernel import load_library
 from kvserve.model.linear import Linear
 
 if TYPE_CHECKING:
@@ -95,19 +95,22 @@ class CompiledDecoder:
                  for L in layers for p in _PROJECTIONS}
         codes_gemm = codes.pop() if len(codes) == 1 else None
 
-        def projections(L, which: str) -> ProjectionsC:
+        def weights(L, which: str) -> list[torch.Tensor]:  # the layer's "gemm" or "codes" operands
             if which == "codes" and codes_gemm is None:
-                return ProjectionsC()
-            return ProjectionsC(*(getattr(getattr(L, p), which)[1].data_ptr() for p in _PROJECTIONS))
+                return []
+            return [getattr(getattr(L, p), which)[1] for p in _PROJECTIONS]
 
+        def pointers(ts: list[torch.Tensor]) -> ProjectionsC:
+            return ProjectionsC(*(t.data_ptr() for t in ts))
+
+        packed, coded = [weights(L, "gemm") for L in layers], [weights(L, "codes") for L in layers]
         self._layers = (LayerC * len(layers))(*(
-            LayerC(projections(L, "gemm"), projections(L, "codes"), L.input_norm.data_ptr(),
-                   L.post_attn_norm.data_ptr(), k.data_ptr(), v.data_ptr())
-            for L, k, v in zip(layers, k_blocks, v_blocks)))
+            LayerC(pointers(p), pointers(q), L.input_norm.data_ptr(), L.post_attn_norm.data_ptr(),
+                   k.data_ptr(), v.data_ptr())
+            for L, p, q, k, v in zip(layers, packed, coded, k_blocks, v_blocks)))
         # Every tensor whose address the structures hold, so that they outlive this decoder.
-        self._keep = ([t for L in layers for p in _PROJECTIONS for t in (getattr(L, p).gemm[1],
-                                                                       (getattr(L, p).codes or (0, None))[1])]
-                      + [t for L in layers for t in (L.input_norm, L.post_attn_norm)], model.norm, k_blocks, v_blocks)
+        self._keep = (packed, coded, [t for L in layers for t in (L.input_norm, L.post_attn_norm)], model.norm,
+                      k_blocks, v_blocks)
         self.model = ModelC(
             gemm=_address(layers[0].qkv_proj.gemm[0]), codes_gemm=codes_gemm, codes_max_rows=linear.CODES_MAX_ROWS,
             attention=_address(attention_kernel), layers=self._layers,

@@ -98,26 +98,22 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
         const int64_t panel = 4 * nb + 2 * half;
         for (int64_t s = 0; s < slabs; ++s) {
             const int64_t kb0 = s * steps / slabs, kb1 = (s + 1) * steps / slabs;
-            // B tile kb of the half's two panels: in the packed weight, or expanded from the codes
-            // into bbuf (slab-relative) AHEAD k-steps ahead of the first chunk's products, for
-            // every later chunk to reuse from L1.
-            const uint16_t* pa;
-            const uint16_t* pb;
-            uint16_t* const qa = bbuf;
-            uint16_t* const qb = bbuf + SLAB * 512;
-            int64_t boff;
+            // B tile kb of the half's two panels is at pa / pb + (kb - boff) * 512: in the packed
+            // weight, or expanded from the codes into bbuf (slab-relative) AHEAD k-steps ahead of
+            // the first chunk's products, for every later chunk to reuse from L1.
+            const uint16_t* pa = bbuf;
+            const uint16_t* pb = bbuf + SLAB * 512;
+            int64_t boff = kb0;
+            auto expand = [&](int64_t kb) {
+                tiles::dequantize<FMT>(g.packed, panel, steps, kb, bbuf + (kb - kb0) * 512);
+                tiles::dequantize<FMT>(g.packed, panel + 1, steps, kb, bbuf + (SLAB + kb - kb0) * 512);
+            };
             if constexpr (FMT == tiles::BF16) {
                 pa = (const uint16_t*)g.packed + panel * KP * 32;
                 pb = pa + KP * 32;
                 boff = 0;
             } else {
-                pa = qa;
-                pb = qb;
-                boff = kb0;
-                for (int64_t kb = kb0; kb < std::min(kb1, kb0 + AHEAD); ++kb) {
-                    tiles::dequantize<FMT>(g.packed, panel, steps, kb, qa + (kb - kb0) * 512);
-                    tiles::dequantize<FMT>(g.packed, panel + 1, steps, kb, qb + (kb - kb0) * 512);
-                }
+                for (int64_t kb = kb0; kb < std::min(kb1, kb0 + AHEAD); ++kb) expand(kb);
             }
             const bool last = half == h1 - 1 && s == slabs - 1;
             for (int64_t c = c0; c < c1; ++c) {
@@ -139,11 +135,7 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
                     for (int q = 0; last && q < 2 && pending < pending_end; ++q, ++pending)
                         finish_row(g, scr + (pending - row0) * 64, pending, nb, h0, h1);
                     if constexpr (FMT != tiles::BF16) {
-                        if (c == c0 && kb + AHEAD < kb1) {
-                            const int64_t kn = kb + AHEAD;
-                            tiles::dequantize<FMT>(g.packed, panel, steps, kn, qa + (kn - boff) * 512);
-                            tiles::dequantize<FMT>(g.packed, panel + 1, steps, kn, qb + (kn - boff) * 512);
-                        }
+                        if (c == c0 && kb + AHEAD < kb1) expand(kb + AHEAD);
                     }
                     if (stream_b) {
                         _tile_loadd(4, xa + 32 * kb, ldx);
