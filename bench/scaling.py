@@ -11,8 +11,10 @@ Decode rate is timed inside one run: the engine is stepped directly, the clock f
 once every request of the batch has its first token (prefill over) and stops when the last one
 finishes, so decode tok/s = tokens produced after that point / time since (prefix caching off).
 Roofline, per decode step (all weights read once, the tied embedding once as lm_head, plus every
-sequence's K/V so far), with bandwidth and matmul rate measured in this same process:
+sequence's K/V so far; the projections' and lm_head's bytes as the engine holds them: GGUF codes on
+AMX CPUs, bf16 elsewhere), with bandwidth and matmul rate measured in this same process:
   memory bound  = batch * BW / (weight_bytes + batch * avg_context * kv_bytes_per_token)
+                  ("dense mem": the same with every weight at the model dtype, issue 7's roofline)
   compute bound = batch * FLOPS / (2 * params + attention flops per token)
 Writes bench/results/scaling.json (scaling_cuda.json on a GPU).
 """
@@ -57,6 +59,10 @@ class ScalingPoint:
     roofline_memory_tok_per_s: float
     roofline_compute_tok_per_s: float
     fraction_of_roofline: float  # decode / min(memory, compute)
+    # the memory bound with every weight read at the model dtype (issue 7's bf16 roofline), and
+    # decode / min(that, compute): equal to the two above unless projections are held as GGUF codes
+    roofline_memory_dense_tok_per_s: float
+    fraction_of_dense_roofline: float
 
 
 def _best_time(fn, tries: int, device: torch.device) -> float:
@@ -97,9 +103,22 @@ def weight_params(c: ModelConfig) -> int:
     return vocab + c.num_hidden_layers * layer + c.hidden_size
 
 
-def roofline(c: ModelConfig, rates: MachineRates, elem_bytes: int, batch: int, avg_ctx: float) -> tuple[float, float]:
+def weight_bytes(llm: LLM, c: ModelConfig, elem_bytes: int) -> int:
+    """Bytes of weights a decode step reads: each projection's and the lm_head's operand as the
+    engine holds it (GGUF codes on AMX CPUs, else packed bf16), else params x element size."""
+    model = llm.engine.runner.model
+    lins = [getattr(L, p) for L in model.layers for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    lins.append(model.lm_head)
+    if not all(getattr(lin, "gemm", None) for lin in lins):
+        return weight_params(c) * elem_bytes
+    in_operands = sum(lin.out_features * lin.in_features for lin in lins)
+    return sum(lin.gemm[1].nbytes for lin in lins) + (weight_params(c) - in_operands) * elem_bytes
+
+
+def roofline(c: ModelConfig, rates: MachineRates, elem_bytes: int, weights: int, batch: int,
+             avg_ctx: float) -> tuple[float, float]:
     params = weight_params(c)
-    step_bytes = params * elem_bytes + batch * avg_ctx * c.kv_bytes_per_token(elem_bytes)
+    step_bytes = weights + batch * avg_ctx * c.kv_bytes_per_token(elem_bytes)
     memory = batch * rates.copy_bandwidth_gb_s * 1e9 / step_bytes
     attn_flops = 4 * avg_ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers
     compute = rates.matmul_tflop_s * 1e12 / (2 * params + attn_flops)
@@ -138,13 +157,15 @@ def run_phases(llm: LLM, prompts: list[list[int]], max_tokens: int) -> PhaseTime
     return PhaseTimes(prefill_end - t, end - t, decode_tokens)
 
 
-def measure_point(llm, c, rates, elem_bytes, sweep, batch, prompt_len, decode, rng) -> ScalingPoint:
+def measure_point(llm, c, rates, elem_bytes, weights, sweep, batch, prompt_len, decode, rng) -> ScalingPoint:
     prompts = [[rng.randrange(c.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
     ph = run_phases(llm, prompts, 1 + decode)
     decode_rate = ph.decode_tokens / max(ph.total_seconds - ph.prefill_seconds, 1e-9)
-    mem, comp = roofline(c, rates, elem_bytes, batch, prompt_len + 1 + decode / 2)
+    mem, comp = roofline(c, rates, elem_bytes, weights, batch, prompt_len + 1 + decode / 2)
+    dense, _ = roofline(c, rates, elem_bytes, weight_params(c) * elem_bytes, batch, prompt_len + 1 + decode / 2)
     return ScalingPoint(sweep, batch, prompt_len, decode, ph.prefill_seconds, ph.total_seconds, decode_rate,
-                        batch * (1 + decode) / ph.total_seconds, mem, comp, decode_rate / min(mem, comp))
+                        batch * (1 + decode) / ph.total_seconds, mem, comp, decode_rate / min(mem, comp),
+                        dense, decode_rate / min(dense, comp))
 
 
 def ints(value: str) -> list[int]:
@@ -159,11 +180,12 @@ def ints(value: str) -> list[int]:
 
 def print_points(points: list[ScalingPoint]) -> None:
     print(f"\n{'sweep':<8} {'batch':>5} {'prompt':>6} {'prefill s':>9} {'decode tok/s':>12} {'e2e out tok/s':>13} "
-          f"{'roofline mem':>12} {'roofline flop':>13} {'of roofline':>11}")
+          f"{'roofline mem':>12} {'roofline flop':>13} {'of roofline':>11} {'dense mem':>9} {'of dense':>8}")
     for p in points:
         print(f"{p.sweep:<8} {p.batch:>5} {p.prompt_len:>6} {p.prefill_seconds:>9.2f} {p.decode_tok_per_s:>12.1f} "
               f"{p.end_to_end_out_tok_per_s:>13.1f} {p.roofline_memory_tok_per_s:>12.1f} "
-              f"{p.roofline_compute_tok_per_s:>13.1f} {p.fraction_of_roofline:>10.0%}")
+              f"{p.roofline_compute_tok_per_s:>13.1f} {p.fraction_of_roofline:>10.0%} "
+              f"{p.roofline_memory_dense_tok_per_s:>9.1f} {p.fraction_of_dense_roofline:>7.0%}")
 
 
 def main(argv=None) -> int:
@@ -209,9 +231,6 @@ def main(argv=None) -> int:
         ap.error(f"--contexts go up to {max(args.contexts)} but the model's limit is {c.max_position_embeddings}")
     rates = MachineRates(measure_bandwidth(device), measure_matmul(dtype, device))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
-    print(f"{where}; measured: copy bandwidth {rates.copy_bandwidth_gb_s:.1f} GB/s, {dtype} matmul "
-          f"{rates.matmul_tflop_s:.2f} TFLOP/s; weights {weight_params(c) * elem / 1e6:.0f} MB, "
-          f"KV {c.kv_bytes_per_token(elem):.0f} B/token", flush=True)
     rng = random.Random(args.seed)
     name = str(dtype).replace("torch.", "")
     points: list[ScalingPoint] = []
@@ -219,15 +238,20 @@ def main(argv=None) -> int:
                   device=device.type, enforce_eager=args.enforce_eager)
     llm = LLM(args.model, max_model_len=args.batch_prompt_len + 1 + args.decode_tokens,
               max_num_seqs=max(args.batch_sizes), **common)
+    weights = weight_bytes(llm, c, elem)
+    print(f"{where}; measured: copy bandwidth {rates.copy_bandwidth_gb_s:.1f} GB/s, {dtype} matmul "
+          f"{rates.matmul_tflop_s:.2f} TFLOP/s; weights read per step {weights / 1e6:.0f} MB, "
+          f"KV {c.kv_bytes_per_token(elem):.0f} B/token", flush=True)
     run_phases(llm, [[1] * 16], 2)  # warm-up
     for b in args.batch_sizes:
-        points.append(measure_point(llm, c, rates, elem, "batch", b, args.batch_prompt_len, args.decode_tokens, rng))
+        points.append(measure_point(llm, c, rates, elem, weights, "batch", b, args.batch_prompt_len,
+                                    args.decode_tokens, rng))
         print_points(points[-1:])
     del llm
     llm = LLM(args.model, max_model_len=max(args.contexts), max_num_seqs=1, **common)
     run_phases(llm, [[1] * 16], 2)
     for ctx in args.contexts:
-        points.append(measure_point(llm, c, rates, elem, "context", 1, ctx - 1 - args.decode_tokens,
+        points.append(measure_point(llm, c, rates, elem, weights, "context", 1, ctx - 1 - args.decode_tokens,
                                     args.decode_tokens, rng))
         print_points(points[-1:])
     print_points(points)
@@ -236,6 +260,7 @@ def main(argv=None) -> int:
                                      "device": where, "enforce_eager": args.enforce_eager,
                                      "threads": torch.get_num_threads(), "argv": sys.argv[1:] if argv is None else argv,
                                      "rates": asdict(rates), "weight_params": weight_params(c),
+                                     "weight_bytes_per_step": weights,
                                      "points": [asdict(p) for p in points]}, indent=2))
     print(f"wrote {args.json}")
     return 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.model import linear as linear_mod
 from kvserve.model.attention import cpu_kernel
 from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue
 from kvserve.model.weight_codes import GGUFBlocks, pack_tiles
@@ -70,8 +69,7 @@ def test_blocks_dequantize_and_tile_order(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k,epilogue", [(64, 64, None), (512, 64, "rope"), (960, 576, "rope"), (576, 576, None),
                                           (3072, 576, "silu"), (576, 1536, None), (256, 64, "silu")])
-def test_codes_gemm_is_bit_identical_to_the_bf16_gemm(monkeypatch, qtype, n, k, epilogue):
-    monkeypatch.setattr(linear_mod, "CODES_MAX_ROWS", 1 << 30)  # the codes at every size
+def test_codes_gemm_is_bit_identical_to_the_bf16_gemm(qtype, n, k, epilogue):
     w = random_blocks(qtype, n, k, seed=n + k)
     dense = w.dequantize().bfloat16()
     epi = {"rope": rope_epilogue(64, n - 64 if n > 64 else 64), "silu": SILU_MUL, None: None}[epilogue]
@@ -79,7 +77,7 @@ def test_codes_gemm_is_bit_identical_to_the_bf16_gemm(monkeypatch, qtype, n, k, 
     assert plain.codes is None and coded.codes is not None
     assert coded.epilogue == plain.epilogue
     g = torch.Generator().manual_seed(k)
-    for rows in (1, 5, 16, 17, 32, 33, 64, 100, 300):
+    for rows in (1, 5, 16, 17, 32, 33, 64, 100, 300, 600):  # 600: two super-chunks at k = 576
         x = torch.randn(rows, k, generator=g).bfloat16()
         args = ()
         if epi is not None and epi.kind == rope_epilogue(64, 64).kind:
@@ -91,16 +89,12 @@ def test_codes_gemm_is_bit_identical_to_the_bf16_gemm(monkeypatch, qtype, n, k, 
 
 
 @needs_amx
-def test_codes_serve_decode_sizes_and_the_bf16_weight_the_rest(monkeypatch):
+def test_codes_replace_the_bf16_weight():
     w = random_blocks("Q4_1", 64, 64)
     lin = Linear(w.dequantize().bfloat16(), codes=w)
-    calls = []
-    for name in ("gemm", "codes"):
-        kernel, packed = getattr(lin, name)
-        setattr(lin, name, (lambda *a, _k=kernel, _n=name: (calls.append(_n), _k(*a))[1], packed))
-    lin(torch.zeros(linear_mod.CODES_MAX_ROWS, 64).bfloat16())
-    lin(torch.zeros(linear_mod.CODES_MAX_ROWS + 1, 64).bfloat16())
-    assert calls == ["codes", "gemm"]
+    kernel, operand = lin.gemm
+    assert lin.codes == "Q4_1" and lin.weight is None
+    assert operand.dtype == torch.uint8 and torch.equal(operand, pack_tiles(w))  # no bf16 copy kept
     with pytest.raises(ValueError, match="GGUF codes of 64 x 96 for a 64 x 64 weight"):
         Linear(w.dequantize().bfloat16(), codes=random_blocks("Q4_1", 64, 96))
 
@@ -134,10 +128,10 @@ def test_engine_tokens_and_logits_identical_with_and_without_codes(tmp_path, mon
     for q in (None, "none"):
         llm = LLM(path, dtype="bfloat16", quantization=q, kv_cache_memory=2**24)
         model = llm.engine.runner.model
-        assert (model.layers[0].down_proj.codes is not None) == (q is None)
+        assert {getattr(L, p).codes for L in model.layers for p in ("qkv_proj", "o_proj", "gate_up_proj",
+                                                                     "down_proj")} == {"Q4_1" if q is None else None}
         assert (model.lm_head.codes is not None) == (q is None)
-        decoder = model.compiled_decoder(llm.engine.runner.kv_cache)
-        assert decoder is not None and bool(decoder.model.codes_gemm) == (q is None)
+        assert model.compiled_decoder(llm.engine.runner.kv_cache) is not None  # the layer loop runs compiled
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs[q] = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in outs]
     assert runs[None] == runs["none"]

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.model import linear
 from kvserve.model.attention.cpu_kernel import load_library
 from kvserve.model.linear import Linear
 
@@ -33,17 +32,17 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-class ProjectionsC(ctypes.Structure):  # decoder_bf16.cpp's Projections
-    _fields_ = [(name, _P) for name in ("qkv", "o", "gate_up", "down")]
+class ProjectionC(ctypes.Structure):  # decoder_bf16.cpp's Projection
+    _fields_ = [("gemm", _P), ("weight", _P)]
 
 
 class LayerC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLayer
-    _fields_ = [("packed", ProjectionsC), ("codes", ProjectionsC)] + [
+    _fields_ = [(name, ProjectionC) for name in ("qkv", "o", "gate_up", "down")] + [
         (name, _P) for name in ("input_norm", "post_attn_norm", "k_cache", "v_cache")]
 
 
 class ModelC(ctypes.Structure):  # decoder_bf16.cpp's DecoderModel
-    _fields_ = [("gemm", _P), ("codes_gemm", _P), ("codes_max_rows", _I64), ("attention", _P),
+    _fields_ = [("attention", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("num_layers", _INT),
                 ("final_norm", _P), ("hidden", _I64), ("inter", _I64), ("hq", _INT), ("hkv", _INT),
                 ("head_dim", _INT), ("qkv_epilogue", _INT), ("gate_up_epilogue", _INT), ("eps", _F),
@@ -69,17 +68,13 @@ def unsupported(model: LlamaModel) -> str | None:
     lib = load_library()
     if lib is None or not lib.elementwise_bf16_available():
         return "the compiled kernels are unavailable (no compiler, or no AVX512-BF16)"
-    gemms = set()
     for i, layer in enumerate(model.layers):
         for name in _PROJECTIONS:
             lin: Linear = getattr(layer, name)
             if lin.gemm is None:
-                return f"layer {i} {name} is not on the packed bf16 kernel (a bias, or an odd shape)"
-            gemms.add(_address(lin.gemm[0]))
+                return f"layer {i} {name} is not on a compiled projection kernel (a bias, or an odd shape)"
         if layer.qkv_proj.epilogue is None or layer.gate_up_proj.epilogue is None:
             return f"layer {i} does not fuse rotary / SiLU into its projections"
-    if len(gemms) != 1:
-        return "the layers' projections use different kernels"
     return None
 
 
@@ -90,29 +85,18 @@ class CompiledDecoder:
                  v_blocks: list[torch.Tensor], block_size: int) -> None:
         c, attn = model.config, model.attn
         layers = model.layers
-        # Codes only where every projection of every layer has them, with one kernel.
-        codes = {_address(getattr(L, p).codes[0]) if getattr(L, p).codes else None
-                 for L in layers for p in _PROJECTIONS}
-        codes_gemm = codes.pop() if len(codes) == 1 else None
 
-        def weights(L, which: str) -> list[torch.Tensor]:  # the layer's "gemm" or "codes" operands
-            if which == "codes" and codes_gemm is None:
-                return []
-            return [getattr(getattr(L, p), which)[1] for p in _PROJECTIONS]
+        def projection(lin: Linear) -> ProjectionC:  # its kernel: bf16 panels, or GGUF codes
+            return ProjectionC(_address(lin.gemm[0]), lin.gemm[1].data_ptr())
 
-        def pointers(ts: list[torch.Tensor]) -> ProjectionsC:
-            return ProjectionsC(*(t.data_ptr() for t in ts))
-
-        packed, coded = [weights(L, "gemm") for L in layers], [weights(L, "codes") for L in layers]
         self._layers = (LayerC * len(layers))(*(
-            LayerC(pointers(p), pointers(q), L.input_norm.data_ptr(), L.post_attn_norm.data_ptr(),
-                   k.data_ptr(), v.data_ptr())
-            for L, p, q, k, v in zip(layers, packed, coded, k_blocks, v_blocks)))
+            LayerC(*(projection(getattr(L, p)) for p in _PROJECTIONS), L.input_norm.data_ptr(),
+                   L.post_attn_norm.data_ptr(), k.data_ptr(), v.data_ptr())
+            for L, k, v in zip(layers, k_blocks, v_blocks)))
         # Every tensor whose address the structures hold, so that they outlive this decoder.
-        self._keep = (packed, coded, [t for L in layers for t in (L.input_norm, L.post_attn_norm)], model.norm,
-                      k_blocks, v_blocks)
+        self._keep = ([getattr(L, p).gemm[1] for L in layers for p in _PROJECTIONS],
+                      [t for L in layers for t in (L.input_norm, L.post_attn_norm)], model.norm, k_blocks, v_blocks)
         self.model = ModelC(
-            gemm=_address(layers[0].qkv_proj.gemm[0]), codes_gemm=codes_gemm, codes_max_rows=linear.CODES_MAX_ROWS,
             attention=_address(attention_kernel), layers=self._layers,
             num_layers=len(layers), final_norm=model.norm.data_ptr(), hidden=c.hidden_size,
             inter=layers[0].gate_up_proj.out_features // 2, hq=c.num_attention_heads, hkv=c.num_key_value_heads,

@@ -23,11 +23,11 @@ reorder costs as much as the product itself. Packing once at load time
 SmolLM2's per-layer projections at 1 row and stays ahead at 64 and 512 rows, with bit-identical
 results (bench/NOTES.md, "Engine optimisation").
 
-A weight loaded from GGUF blocks (Q4_1, Q8_0) can also keep those codes for the AMX kernel
-(`codes=`, model/weight_codes.py): calls of up to CODES_MAX_ROWS rows (decode steps) then read the
-codes, 3.2x / 1.9x fewer bytes than the bf16 weight, expanded tile by tile to the same bf16 values;
-larger calls (prefill chunks), where the expansion would cost more than the bytes it saves, keep
-the packed bf16 weight. Both give bit-identical outputs.
+A weight loaded from GGUF blocks (Q4_1, Q8_0) is kept as those codes instead, on CPUs with AMX
+(`codes=`, model/weight_codes.py): 3.2x / 1.9x fewer bytes than the bf16 weight, expanded tile by
+tile to the same bf16 values in the product, so outputs are bit-identical. At decode sizes the
+smaller weight stream is faster (1.1-1.25x); at prefill sizes the two measured alike, so the bf16
+copy is not kept at all (bench/NOTES.md, session 21): SmolLM2's process is ~270 MB smaller.
 
 float32 keeps `F.linear` (MKL sgemm): it is the reference dtype, token-exact against transformers.
 """
@@ -44,11 +44,6 @@ from kvserve.model.weight_codes import GGUFBlocks, pack_tiles
 log = logging.getLogger(__name__)
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
-
-# Rows up to which a layer with codes reads them rather than its bf16 weight (bench/NOTES.md,
-# session 20: below it the weight stream bounds the product, above it the tiles' expansion).
-CODES_MAX_ROWS = 256
-
 
 # gemm_bf16.cpp's EpilogueKind: nothing; SiLU(gate) * up of the two output halves; rotary
 # embedding of q and k.
@@ -100,18 +95,18 @@ def _mkldnn_linear_available() -> bool:
 class Linear:
     """y = x W^T (+ b) for a fixed weight `[out, in]`; packs the weight when that pays."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "gemm", "codes", "epilogue")
+    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "gemm", "codes", "epilogue")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
                  epilogue: Epilogue | None = None, codes: GGUFBlocks | None = None) -> None:
         """`epilogue`: fuse that pass into the product where gemm_bf16.cpp runs this layer (then
         `self.epilogue` is set and calls return the pass's result), else leave it to the caller.
-        `codes`: the same weight as GGUF blocks, for the AMX kernel that reads them (decode sizes)."""
+        `codes`: the same weight as GGUF blocks, kept instead of a bf16 copy where the AMX kernel reads them."""
         self.bias = bias
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.packed = None
-        self.gemm = None  # (kernel, packed weight) of gemm_bf16.cpp
-        self.codes = None  # (kernel, codes in tile order) of gemm_amx.cpp's GGUF entries
+        self.gemm = None  # (kernel, operand): gemm_bf16.cpp's packed weight, or gemm_amx.cpp's GGUF codes
+        self.codes = None  # the GGUF type ("Q4_1", "Q8_0") where the operand is codes
         self.epilogue = None
         n, k = weight.shape
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bias is None
@@ -121,13 +116,14 @@ class Linear:
             if kernels is not None and k % kernels.k_multiple == 0:
                 order = _epilogue_order(epilogue, n) if epilogue is not None else None
                 self.epilogue = epilogue if order is not None else None
+                self.weight = None
+                if codes is not None and kernels.k_multiple == 32 and self._take_codes(codes, order, n, k):
+                    return
                 packed = torch.empty(n * k, dtype=torch.bfloat16)
                 # held in a name: a temporary's memory is freed before the call
                 w = (weight if order is None else weight[order]).contiguous()
                 kernels.pack(w.data_ptr(), n, k, packed.data_ptr())
-                self.gemm, self.weight = (kernels.gemm, packed), None
-                if codes is not None and kernels.k_multiple == 32:
-                    self._take_codes(codes, order, n, k)
+                self.gemm = (kernels.gemm, packed)
                 return
         if pack and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES and _mkldnn_linear_available():
             try:
@@ -140,24 +136,26 @@ class Linear:
         # The plain weight is dropped once packed: the packed copy is the only one read.
         self.weight = weight if self.packed is None else None
 
-    def _take_codes(self, codes: GGUFBlocks, order: torch.Tensor | None, n: int, k: int) -> None:
+    def _take_codes(self, codes: GGUFBlocks, order: torch.Tensor | None, n: int, k: int) -> bool:
+        """Makes the codes this layer's operand; False where this CPU has no kernel for them."""
         from kvserve.model.attention.cpu_kernel import gemm_codes_kernel
         kernel = gemm_codes_kernel(codes.qtype)
         if kernel is None:
-            return
+            return False
         if (codes.rows, codes.cols) != (n, k):
             raise ValueError(f"GGUF codes of {codes.rows} x {codes.cols} for a {n} x {k} weight")
         if order is not None:
             codes = GGUFBlocks(codes.qtype, codes.blocks[order], codes.cols)
-        self.codes = (kernel, pack_tiles(codes))
+        self.gemm, self.codes = (kernel, pack_tiles(codes)), codes.qtype
+        return True
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor | None = None,
                  sin_signed: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b); with a SiLU epilogue, SiLU(gate) * up `[..., out / 2]`; with a rotary one,
         q and k rotated by cos and sin_signed (rows of head_dim, one per row of x: fused.apply_rope's)."""
         if self.gemm is not None:
-            kernel, packed = self.gemm
-            k = packed.numel() // self.out_features
+            kernel, operand = self.gemm
+            k = self.in_features
             if x.dtype != torch.bfloat16 or x.shape[-1] != k:
                 raise TypeError(f"this bf16 linear layer takes bf16 inputs of {k} features, got "
                                 f"{x.dtype} {list(x.shape)}")
@@ -173,10 +171,8 @@ class Linear:
                                      f"{rows.shape[0]} x {epi.head_dim}")
                 cos_p, sin_p = cos.data_ptr(), sin_signed.data_ptr()
             y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)
-            if self.codes is not None and rows.shape[0] <= CODES_MAX_ROWS:
-                kernel, packed = self.codes
             if rows.shape[0]:
-                kernel(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), self.out_features, y.data_ptr(),
+                kernel(rows.data_ptr(), rows.shape[0], k, operand.data_ptr(), self.out_features, y.data_ptr(),
                        epi.kind, cos_p, sin_p, epi.head_dim, epi.rope_cols)
             return y.view(*x.shape[:-1], out)
         if self.packed is None:

@@ -80,7 +80,7 @@ class LlamaModel:
                  attention_backend: AttentionBackend | None = None,
                  weight_codes: dict[str, GGUFBlocks] | None = None) -> None:
         """`weight_codes`: GGUF blocks of some weights (loader.LoadedModel.codes), which bf16
-        projections on AMX CPUs read at decode sizes instead of their bf16 copies (model/linear.py)."""
+        projections on AMX CPUs keep and read instead of bf16 copies (model/linear.py)."""
         if config.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {config.architecture!r} is not supported; "
                              f"kvserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")

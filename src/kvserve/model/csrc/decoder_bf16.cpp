@@ -19,8 +19,9 @@ extern "C" void store_kv_pairs(const uint16_t* k, const uint16_t* v, const int64
 
 namespace {
 
-// gemm_bf16 / gemm_bf16_amx: whichever the Linear layers packed their weights for.
-typedef void (*GemmFn)(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, uint16_t* y,
+// gemm_bf16 / gemm_bf16_amx over packed bf16 panels, or gemm_q4_1_amx / gemm_q8_0_amx over GGUF
+// codes: whichever each Linear layer holds its weight for.
+typedef void (*GemmFn)(const uint16_t* x, int64_t M, int64_t K, const void* weight, int64_t N, uint16_t* y,
                        int kind, const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim,
                        int64_t rope_cols);
 // paged_attention_bf16_d{64,128} (paged_attention_bf16.cpp's PA_ENTRY).
@@ -32,18 +33,18 @@ typedef int (*AttentionFn)(const void* q, void* out, const int64_t* q_start, con
 
 }  // namespace
 
-// One layer's projections: packed for `gemm`, and (codes_gemm) GGUF codes or null.
-struct Projections {
-    const void* qkv;      // [hidden -> q + 2 kv], rotary epilogue
-    const void* o;        // [q -> hidden]
-    const void* gate_up;  // [hidden -> 2 inter], SiLU-mul epilogue
-    const void* down;     // [inter -> hidden]
+// One projection: its kernel and the weight operand that kernel reads.
+struct Projection {
+    GemmFn gemm;
+    const void* weight;
 };
 
 // One layer's weights and KV blocks; field order is cpu_decoder.py's LayerC.
 struct DecoderLayer {
-    Projections packed;
-    Projections codes;
+    Projection qkv;      // [hidden -> q + 2 kv], rotary epilogue
+    Projection o;        // [q -> hidden]
+    Projection gate_up;  // [hidden -> 2 inter], SiLU-mul epilogue
+    Projection down;     // [inter -> hidden]
     const uint16_t* input_norm;
     const uint16_t* post_attn_norm;
     uint16_t* k_cache;  // this layer's blocks, "pairs" layout
@@ -52,9 +53,6 @@ struct DecoderLayer {
 
 // The model's shapes and kernels, fixed at load (cpu_decoder.py's ModelC).
 struct DecoderModel {
-    GemmFn gemm;
-    GemmFn codes_gemm;  // over every layer's codes, for steps of up to codes_max_rows rows; or null
-    int64_t codes_max_rows;
     AttentionFn attention;
     const DecoderLayer* layers;
     int num_layers;
@@ -95,13 +93,11 @@ struct DecoderStep {
 extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
     const int64_t T = s->T, H = m->hidden, D = m->head_dim;
     const int64_t q_size = (int64_t)m->hq * D, kv_size = (int64_t)m->hkv * D, n_qkv = q_size + 2 * kv_size;
-    const bool codes = m->codes_gemm != nullptr && T <= m->codes_max_rows;
-    const GemmFn gemm = codes ? m->codes_gemm : m->gemm;
     add_rms_norm_bf16(s->h, nullptr, 0, m->layers[0].input_norm, s->x, T, H, m->eps);
     for (int i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
-        const Projections& P = codes ? L.codes : L.packed;
-        gemm(s->x, T, H, P.qkv, n_qkv, s->qkv, m->qkv_epilogue, s->cos, s->sin_signed, D, q_size + kv_size);
+        L.qkv.gemm(s->x, T, H, L.qkv.weight, n_qkv, s->qkv, m->qkv_epilogue, s->cos, s->sin_signed, D,
+                   q_size + kv_size);
         store_kv_pairs(s->qkv + q_size, s->qkv + q_size + kv_size, s->slots, T, n_qkv, n_qkv, L.k_cache, L.v_cache,
                        m->hkv, (int)D, s->block_size);
         const int rc = m->attention(s->qkv, s->attn, s->q_start, s->q_len, n_qkv, q_size, L.k_cache, L.v_cache,
@@ -109,10 +105,11 @@ extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
                                     m->scale, m->window, s->ngroups, s->group_start, s->group_members,
                                     s->group_prefix);
         if (rc != 0) return rc;
-        gemm(s->attn, T, q_size, P.o, H, s->proj, 0, nullptr, nullptr, 0, 0);
+        L.o.gemm(s->attn, T, q_size, L.o.weight, H, s->proj, 0, nullptr, nullptr, 0, 0);
         add_rms_norm_bf16(s->h, s->proj, H, L.post_attn_norm, s->x, T, H, m->eps);
-        gemm(s->x, T, H, P.gate_up, 2 * m->inter, s->act, m->gate_up_epilogue, nullptr, nullptr, 0, 0);
-        gemm(s->act, T, m->inter, P.down, H, s->proj, 0, nullptr, nullptr, 0, 0);
+        L.gate_up.gemm(s->x, T, H, L.gate_up.weight, 2 * m->inter, s->act, m->gate_up_epilogue, nullptr, nullptr,
+                       0, 0);
+        L.down.gemm(s->act, T, m->inter, L.down.weight, H, s->proj, 0, nullptr, nullptr, 0, 0);
         const uint16_t* next_norm = i + 1 < m->num_layers ? m->layers[i + 1].input_norm : m->final_norm;
         add_rms_norm_bf16(s->h, s->proj, H, next_norm, s->x, T, H, m->eps);
     }

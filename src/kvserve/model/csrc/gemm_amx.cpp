@@ -172,8 +172,11 @@ void run(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N,
     if (M <= 0) return;
     const Gemm g{x, M, K, packed, y, make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols)};
     const int64_t groups = N / 64, chunks = (M + MB - 1) / MB;
-    const int64_t super = std::max<int64_t>(1, std::min<int64_t>(MAX_SUPER, SUPER_BYTES / (MB * K * 2)));
-    const int64_t supers = (chunks + super - 1) / super;
+    // Super-chunks of equal size: the static schedule hands each thread a contiguous run of units,
+    // and a short last super-chunk (17 chunks as 16 + 1) left one thread with most of the work.
+    const int64_t super_max = std::max<int64_t>(1, std::min<int64_t>(MAX_SUPER, SUPER_BYTES / (MB * K * 2)));
+    const int64_t supers = (chunks + super_max - 1) / super_max;
+    const int64_t super = (chunks + supers - 1) / supers;
     // A PLAIN epilogue lets a unit be one 32-column half: the same traffic (each half streams A
     // and reads its own panels either way), and units that split evenly where groups are few and
     // odd (a decode's 9 groups of o_proj and down_proj left one thread idle a ninth of the time).
