@@ -265,14 +265,34 @@ def _shared_prefix_schedule() -> list[tuple[list[int], list[int], list[list[int]
     return steps
 
 
-@pytest.mark.parametrize("window", [None, 12])
-def test_compiled_decoder_equals_the_python_layer_loop(window):
+def _mixed_codes(w: dict[str, torch.Tensor], layer: int) -> dict:
+    """Q4_1 codes for one layer's projections only (the others keep bf16 panels on AMX CPUs)."""
+    import gguf
+
+    from kvserve.model.weight_codes import GGUFBlocks
+
+    codes = {}
+    for name, t in w.items():
+        if name.startswith(f"model.layers.{layer}.") and name.endswith("_proj.weight"):
+            blocks = gguf.quants.quantize(t.float().numpy(), gguf.GGMLQuantizationType.Q4_1)
+            codes[name] = GGUFBlocks("Q4_1", torch.from_numpy(blocks.copy()), t.shape[1])
+    return codes
+
+
+@pytest.mark.parametrize("window,mixed", [(None, False), (12, False), (None, True)])
+def test_compiled_decoder_equals_the_python_layer_loop(window, mixed):
     """bf16 on an AVX512-BF16 CPU runs the layer loop as one compiled call (model/cpu_decoder.py).
     It makes the same kernel calls as the Python loop, so every step's hidden states must be the
     same bits: prefill chunks, decodes beside them, shared-prefix (cascade) decodes, a sliding
-    window."""
+    window, and (`mixed`, on AMX CPUs) layers whose projections read GGUF codes beside layers on
+    bf16 panels, each projection through its own kernel."""
     mc = dataclasses.replace(model_config("llama_d64"), sliding_window=window)
-    model = LlamaModel(mc, weights("llama_d64"), torch.bfloat16)
+    w = weights("llama_d64")
+    model = LlamaModel(mc, w, torch.bfloat16, weight_codes=_mixed_codes(w, 0) if mixed else None)
+    if mixed and model.layers[0].o_proj.codes is None:
+        pytest.skip("the codes kernels need a CPU with AMX")
+    if mixed:
+        assert model.layers[1].o_proj.codes is None
     layout = model.attn.kv_cache_layout("auto", torch.bfloat16, 16, torch.device("cpu"))
     caches = [PagedKVCache(mc, num_blocks=24, block_size=16, dtype=torch.bfloat16, layout=layout) for _ in range(2)]
     if model.compiled_decoder(caches[0]) is None:
