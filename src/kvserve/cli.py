@@ -33,8 +33,8 @@ _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_poli
 _HELP = {
     "model": "HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory when it differs from the model's",
-    "quantization": "unset: weights as the checkpoint stores them (a GGUF file's Q4_1 / Q8_0 projections are read "
-                    "as codes at decode sizes on AMX CPUs: the same bf16 values, fewer bytes); gguf: require that; "
+    "quantization": "unset: weights as the checkpoint stores them (a GGUF file's Q4_1 / Q8_0 projections are kept "
+                    "and read as codes on AMX CPUs: the same bf16 values, fewer bytes); gguf: require that; "
                     "none: dequantize every weight at load",
     "dtype": "compute dtype of weights and activations (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32)",
     "device": "where the model runs",

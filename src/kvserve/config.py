@@ -143,7 +143,7 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "auto"
     # vLLM's flag. None: as the checkpoint is stored; a GGUF file's Q4_1 / Q8_0 weights then stay
-    # codes for the AMX projection kernel at decode sizes (model/weight_codes.py: the same bf16
+    # codes, the AMX projection kernel's only copy of them (model/weight_codes.py: the same bf16
     # values, fewer bytes read per step). "gguf" requires a GGUF checkpoint; "none" (kvserve's)
     # dequantizes every weight at load.
     quantization: str | None = None

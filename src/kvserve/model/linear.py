@@ -103,12 +103,11 @@ class Linear:
         `self.epilogue` is set and calls return the pass's result), else leave it to the caller.
         `codes`: the same weight as GGUF blocks, kept instead of a bf16 copy where the AMX kernel reads them."""
         self.bias = bias
-        self.out_features, self.in_features = weight.shape
+        n, k = self.out_features, self.in_features = weight.shape
         self.packed = None
         self.gemm = None  # (kernel, operand): gemm_bf16.cpp's packed weight, or gemm_amx.cpp's GGUF codes
         self.codes = None  # the GGUF type ("Q4_1", "Q8_0") where the operand is codes
         self.epilogue = None
-        n, k = weight.shape
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bias is None
                 and n % 64 == 0):
             from kvserve.model.attention.cpu_kernel import gemm_bf16_kernels

@@ -1,10 +1,10 @@
 """GGUF-quantized weights kept as their codes, for the AMX GEMM to expand in L1 (csrc/weight_tiles.h).
 
 A GGUF checkpoint's projections are Q4_1 or Q8_0 blocks of 32 weights along K. The loader
-dequantizes them to bf16 for every kernel; on CPUs with AMX, a projection can instead keep the
-codes (5 or 8.5 bits a weight against 16) and the GEMM expands each 32 x 16 tile to the same bf16
-values just before its products. Decode reads every weight once per step at the memory's rate, so
-fewer bytes are a shorter step, with bit-identical outputs (tests/test_weight_codes.py).
+dequantizes them to bf16; on CPUs with AMX, a projection keeps the codes instead (5 or 8.5 bits a
+weight against 16) and the GEMM expands each 32 x 16 tile to the same bf16 values just before its
+products. Decode reads every weight once per step, so fewer bytes are a shorter step; prefill runs
+as fast as over bf16; outputs are bit-identical (tests/test_weight_codes.py).
 """
 from __future__ import annotations
 
