@@ -109,7 +109,7 @@ def weight_bytes(llm: LLM, c: ModelConfig, elem_bytes: int) -> int:
     model = llm.engine.runner.model
     lins = [getattr(L, p) for L in model.layers for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
     lins.append(model.lm_head)
-    if not all(getattr(lin, "gemm", None) for lin in lins):
+    if any(lin.gemm is None for lin in lins):
         return weight_params(c) * elem_bytes
     in_operands = sum(lin.out_features * lin.in_features for lin in lins)
     return sum(lin.gemm[1].nbytes for lin in lins) + (weight_params(c) - in_operands) * elem_bytes

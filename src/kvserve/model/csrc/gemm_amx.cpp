@@ -101,20 +101,16 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
             // B tile kb of the half's two panels is at pa / pb + (kb - boff) * 512: in the packed
             // weight, or expanded from the codes into bbuf (slab-relative) AHEAD k-steps ahead of
             // the first chunk's products, for every later chunk to reuse from L1.
-            const uint16_t* pa = bbuf;
-            const uint16_t* pb = bbuf + SLAB * 512;
-            int64_t boff = kb0;
+            const bool codes = FMT != tiles::BF16;
+            const uint16_t* pa = codes ? bbuf : (const uint16_t*)g.packed + panel * KP * 32;
+            const uint16_t* pb = codes ? bbuf + SLAB * 512 : pa + KP * 32;
+            const int64_t boff = codes ? kb0 : 0;
             auto expand = [&](int64_t kb) {
                 tiles::dequantize<FMT>(g.packed, panel, steps, kb, bbuf + (kb - kb0) * 512);
                 tiles::dequantize<FMT>(g.packed, panel + 1, steps, kb, bbuf + (SLAB + kb - kb0) * 512);
             };
-            if constexpr (FMT == tiles::BF16) {
-                pa = (const uint16_t*)g.packed + panel * KP * 32;
-                pb = pa + KP * 32;
-                boff = 0;
-            } else {
+            if constexpr (FMT != tiles::BF16)
                 for (int64_t kb = kb0; kb < std::min(kb1, kb0 + AHEAD); ++kb) expand(kb);
-            }
             const bool last = half == h1 - 1 && s == slabs - 1;
             for (int64_t c = c0; c < c1; ++c) {
                 const int mr = (int)std::min<int64_t>(MB, g.M - c * MB);
