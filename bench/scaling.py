@@ -107,8 +107,7 @@ def weight_bytes(llm: LLM, c: ModelConfig, elem_bytes: int) -> int:
     """Bytes of weights a decode step reads: each projection's and the lm_head's operand as the
     engine holds it (GGUF codes on AMX CPUs, else packed bf16), else params x element size."""
     model = llm.engine.runner.model
-    lins = [getattr(L, p) for L in model.layers for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-    lins.append(model.lm_head)
+    lins = [lin for L in model.layers for lin in L.projections().values()] + [model.lm_head]
     if any(lin.gemm is None for lin in lins):
         return weight_params(c) * elem_bytes
     in_operands = sum(lin.out_features * lin.in_features for lin in lins)

@@ -128,8 +128,7 @@ def test_engine_tokens_and_logits_identical_with_and_without_codes(tmp_path, mon
     for q in (None, "none"):
         llm = LLM(path, dtype="bfloat16", quantization=q, kv_cache_memory=2**24)
         model = llm.engine.runner.model
-        assert {getattr(L, p).codes for L in model.layers for p in ("qkv_proj", "o_proj", "gate_up_proj",
-                                                                     "down_proj")} == {"Q4_1" if q is None else None}
+        assert {lin.codes for L in model.layers for lin in L.projections().values()} == {"Q4_1" if q is None else None}
         assert (model.lm_head.codes is not None) == (q is None)
         assert model.compiled_decoder(llm.engine.runner.kv_cache) is not None  # the layer loop runs compiled
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

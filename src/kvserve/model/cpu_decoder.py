@@ -29,9 +29,6 @@ if TYPE_CHECKING:
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
 class ProjectionC(ctypes.Structure):  # decoder_bf16.cpp's Projection
     _fields_ = [("gemm", _P), ("weight", _P)]
 
@@ -69,8 +66,7 @@ def unsupported(model: LlamaModel) -> str | None:
     if lib is None or not lib.elementwise_bf16_available():
         return "the compiled kernels are unavailable (no compiler, or no AVX512-BF16)"
     for i, layer in enumerate(model.layers):
-        for name in _PROJECTIONS:
-            lin: Linear = getattr(layer, name)
+        for name, lin in layer.projections().items():
             if lin.gemm is None:
                 return f"layer {i} {name} is not on a compiled projection kernel (a bias, or an odd shape)"
         if layer.qkv_proj.epilogue is None or layer.gate_up_proj.epilogue is None:
@@ -90,11 +86,11 @@ class CompiledDecoder:
             return ProjectionC(_address(lin.gemm[0]), lin.gemm[1].data_ptr())
 
         self._layers = (LayerC * len(layers))(*(
-            LayerC(*(projection(getattr(L, p)) for p in _PROJECTIONS), L.input_norm.data_ptr(),
+            LayerC(*(projection(lin) for lin in L.projections().values()), L.input_norm.data_ptr(),
                    L.post_attn_norm.data_ptr(), k.data_ptr(), v.data_ptr())
             for L, k, v in zip(layers, k_blocks, v_blocks)))
         # Every tensor whose address the structures hold, so that they outlive this decoder.
-        self._keep = ([getattr(L, p).gemm[1] for L in layers for p in _PROJECTIONS],
+        self._keep = ([lin.gemm[1] for L in layers for lin in L.projections().values()],
                       [t for L in layers for t in (L.input_norm, L.post_attn_norm)], model.norm, k_blocks, v_blocks)
         self.model = ModelC(
             attention=_address(attention_kernel), layers=self._layers,

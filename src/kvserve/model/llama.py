@@ -73,6 +73,11 @@ class _Layer:
         self.input_norm = take(prefix + "input_layernorm.weight")
         self.post_attn_norm = take(prefix + "post_attention_layernorm.weight")
 
+    def projections(self) -> dict[str, Linear]:
+        """The four projections by attribute name, in decoder_bf16.cpp's DecoderLayer order."""
+        return {"qkv_proj": self.qkv_proj, "o_proj": self.o_proj, "gate_up_proj": self.gate_up_proj,
+                "down_proj": self.down_proj}
+
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
