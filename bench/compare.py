@@ -237,6 +237,13 @@ def main(argv=None) -> int:
     ap.add_argument("--venvs", type=Path, default=ROOT / "bench" / ".venvs", help="where setup_*.sh put the peers")
     ap.add_argument("--no-preload", action="store_true", help="run vLLM without the tcmalloc/Intel OpenMP preload")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per system")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help="vLLM's --speculative-config JSON, given to kvserve and vLLM alike, e.g. "
+                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3, "
+                         "\"prompt_lookup_min\": 1}' (llama.cpp is skipped with it)")
+    ap.add_argument("--speculative-peers", default="kvserve,vllm",
+                    help="which peers --speculative-config applies to; the others run without it "
+                         "(e.g. kvserve alone, against vLLM at its faster setting)")
     ap.add_argument("--json", type=Path, default=None,
                     help="default bench/results/compare.json (bench/results/scaling.json with --scaling)")
     ap.add_argument("--scaling", action="store_true", help="kvserve alone: throughput vs batch size and context "
@@ -267,6 +274,11 @@ def main(argv=None) -> int:
     for name in split_names(args.peers, PEERS, "--peers"):
         try:
             plan = PLANNERS[name](args)
+            if args.speculative_config is not None and name in args.speculative_peers.split(","):
+                if name == "llamacpp":
+                    raise PeerUnavailable("--speculative-config is passed to kvserve and vLLM only")
+                plan.options = {**plan.options, "engine": {"speculative_config": args.speculative_config}}
+                plan.note += f", speculative {json.dumps(args.speculative_config)}"
             print(f"[{name}] {plan.note}: running {len(workloads)} workload(s) x {args.repeat} ...", flush=True)
             t = time.perf_counter()
             results[name] = run_peer(plan, job, args.json.parent / "logs", args.timeout)

@@ -56,7 +56,8 @@ def test_server_defaults():
     (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
     (["--quantization", "awq"], "invalid choice: 'awq'"),
     (["--enable-lora"], "LoRA"),
-    (["--speculative-config", "{}"], "speculative decoding"),
+    (["--kv-transfer-config", "{}"], "disaggregated prefill"),
+    (["--speculative-config", "[4]"], "a JSON object"),
     (["--kv-cache-memory", "lots"], "cannot parse 'lots'"),
     (["--kv-cache-dtype", "fp4"], "invalid choice"),
 ])

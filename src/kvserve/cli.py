@@ -25,7 +25,7 @@ _GROUPS = {
                  "enable_prefix_caching", "num_gpu_blocks_override"],
     "KV offload tiers": ["swap_space", "cpu_offload_gb", "kv_disk_path", "kv_disk_size", "kv_redis_url"],
     "Scheduler": ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
-                  "preemption_mode", "cache_aware_scheduling"],
+                  "preemption_mode", "cache_aware_scheduling", "speculative_config"],
 }
 _CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
             "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda"),
@@ -45,6 +45,9 @@ _HELP = {
                          "ignore them; a folder: take its generation_config.json's",
     "override_generation_config": "JSON object of generation_config.json keys merged over what "
                                   "--generation-config gives, e.g. '{\"temperature\": 0.5}' (vLLM's)",
+    "speculative_config": "JSON object, vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 3}' guesses a greedy request's next tokens from its own "
+                          "history and keeps those the model agrees with (ngram is the method implemented)",
     "enforce_eager": "CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps",
     "max_cudagraph_capture_size": "CUDA: largest decode batch captured as a CUDA graph (larger batches run eagerly)",
     "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
@@ -149,7 +152,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["action"] = argparse.BooleanOptionalAction if on_off else "store_true"
         elif f.name == "kv_cache_memory":
             kwargs["type"] = _size
-        elif f.name == "override_generation_config":
+        elif f.name in ("override_generation_config", "speculative_config"):
             kwargs["type"] = _json_object
         elif f.name == "served_model_name":
             kwargs["nargs"] = "+"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import json
 import re
 from dataclasses import dataclass, field, fields
 
@@ -38,7 +39,6 @@ VLLM_REFUSED = {
     "data_parallel_size": ("1", "data parallelism is not implemented; run one server per device"),
     "enable_lora": (None, "LoRA adapters are not implemented"),
     "lora_modules": (None, "LoRA adapters are not implemented"),
-    "speculative_config": (None, "speculative decoding is not implemented"),
     "kv_transfer_config": (None, "KV transfer / disaggregated prefill is not implemented"),
     "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
     "load_format": (None, "only safetensors directories and GGUF files are loaded"),
@@ -133,6 +133,53 @@ def check_writable(path: str | None, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: cannot write in {parent}; choose another path")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config, parsed (engine/spec_decode.py uses it)."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | None:
+    """vLLM's --speculative-config (a JSON object or a dict) -> SpeculativeConfig; None when unset.
+    As vLLM: prompt_lookup_min / max default to each other, and to 5 when both are missing."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not valid JSON ({e}); give an object such as "
+                                  f'\'{{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}}\'') from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"--speculative-config: {', '.join(unknown)} not supported (kvserve implements the "
+                              f"ngram method's keys: {', '.join(sorted(known))})")
+    method = value.get("method", "ngram")
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(f"--speculative-config method {method!r} is not implemented; kvserve has "
+                              f"{', '.join(SPECULATIVE_METHODS)} (prompt lookup), which needs no draft model")
+    k = value.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"--speculative-config needs num_speculative_tokens, an integer >= 1 (got {k!r})")
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+    for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"--speculative-config {name} must be an integer >= 1 (got {n!r})")
+    if lo > hi:
+        raise ConfigError(f"--speculative-config prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+    return SpeculativeConfig(method, k, lo, hi)
+
+
 QUANTIZATIONS = (None, "gguf", "none")
 
 
@@ -193,6 +240,15 @@ class EngineArgs:
     # turns them off. Ignored on CPU.
     enforce_eager: bool = False
     max_cudagraph_capture_size: int = 512
+    # vLLM's: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}' (a JSON
+    # object, or a dict offline). Greedy requests then feed guesses from their own history and keep
+    # those the model agrees with (engine/spec_decode.py); only the ngram method is implemented.
+    speculative_config: dict | str | None = None
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config, or None."""
+        return parse_speculative_config(self.speculative_config)
 
     def validate(self) -> None:
         check_block_size(self.block_size)
@@ -238,6 +294,7 @@ class EngineArgs:
             raise ConfigError(f"--max-model-len must be >= 1 (got {self.max_model_len})")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB (got {self.swap_space})")
+        self.speculative  # raises ConfigError on a malformed --speculative-config
         self._validate_tiers()
 
     def _validate_tiers(self) -> None:

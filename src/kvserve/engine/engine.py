@@ -121,7 +121,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
-            cache_aware=args.cache_aware_scheduling, preemption_mode=args.preemption_mode), self.kv)
+            cache_aware=args.cache_aware_scheduling, preemption_mode=args.preemption_mode,
+            speculative=args.speculative), self.kv)
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, _Sequence] = {}
         self._group_of: dict[str, _Group] = {}
@@ -296,6 +297,9 @@ class LLMEngine:
             self.num_steps += 1
             self.last_step_tokens = sum(e.num_new_tokens for e in sched.scheduled)
         result = self.runner.execute(sched)  # an empty step still drops finished requests' state
+        # Outputs before the step: a speculated request can gain several tokens in one.
+        before = {e.request.request_id: e.request.num_output_tokens for e in sched.scheduled
+                  if e.spec_token_ids}
         touched = self.scheduler.update_from_output(sched, result)
         if self.args.check_integrity:
             self.kv.check_integrity()
@@ -306,31 +310,19 @@ class LLMEngine:
                 self._add_prompt_logprobs(self._seq_of[rid], chunk)
         for req in touched:
             seq = self._seq_of[req.request_id]
-            tok = result.sampled[req.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            self.generation_tokens_total += 1
-            seq.new_token_ids.append(tok.token_id)
-            if seq.logprobs is not None:
-                entry = self._logprobs_entry(tok.token_id, tok.logprob, tok.rank, tok.top_logprobs)
-                seq.logprobs.append(entry)
-                seq.new_logprobs.append(entry)
-                seq.cumulative_logprob += tok.logprob
-            # As vLLM: a stop token (EOS, stop_token_ids) ends the output without its text unless
-            # include_stop_str_in_output (it stays in token_ids); stop strings are looked for only
-            # past min_tokens, and one found in the same step wins as the stop reason.
-            p = req.sampling_params
-            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
-            found_stop_string = False
-            if not stopped_by_token or p.include_stop_str_in_output:
-                found_stop_string = seq.detok.add_token(tok.token_id, stop_strings=req.num_output_tokens > p.min_tokens)
-            if found_stop_string:
-                req.stop_reason = seq.detok.stop_reason
-                if req.is_finished:  # the same token also hit a length limit: the stop string wins
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.request_id in before:  # no logprobs or stop strings: speculation_allowed
+                new_ids = req.output_token_ids[before[req.request_id]:]
+                self.generation_tokens_total += len(new_ids)
+                seq.new_token_ids.extend(new_ids)
+                for j, t in enumerate(new_ids):  # a stop token's text is left out, as below
+                    stop_token = j == len(new_ids) - 1 and req.status == RequestStatus.FINISHED_STOPPED
+                    if not stop_token or req.sampling_params.include_stop_str_in_output:
+                        seq.detok.add_token(t, stop_strings=False)
+            else:
+                self._add_sampled(req, seq, result.sampled[req.request_id])
             if req.is_finished:
                 req.finished_time = now
             group = self._group_of[req.request_id]
@@ -338,6 +330,30 @@ class LLMEngine:
         self.last_step_progress = [self._progress(g) for g in groups.values()]
         return [self._make_output(g) for g in groups.values()
                 if g.output_kind != RequestOutputKind.FINAL_ONLY or all(s.req.is_finished for s in g.seqs)]
+
+    def _add_sampled(self, req: Request, seq: _Sequence, tok) -> None:
+        """One sampled token: its logprobs, its text, and the stop strings it may complete."""
+        self.generation_tokens_total += 1
+        seq.new_token_ids.append(tok.token_id)
+        if seq.logprobs is not None:
+            entry = self._logprobs_entry(tok.token_id, tok.logprob, tok.rank, tok.top_logprobs)
+            seq.logprobs.append(entry)
+            seq.new_logprobs.append(entry)
+            seq.cumulative_logprob += tok.logprob
+        # As vLLM: a stop token (EOS, stop_token_ids) ends the output without its text unless
+        # include_stop_str_in_output (it stays in token_ids); stop strings are looked for only
+        # past min_tokens, and one found in the same step wins as the stop reason.
+        p = req.sampling_params
+        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
+        found_stop_string = False
+        if not stopped_by_token or p.include_stop_str_in_output:
+            found_stop_string = seq.detok.add_token(tok.token_id, stop_strings=req.num_output_tokens > p.min_tokens)
+        if found_stop_string:
+            req.stop_reason = seq.detok.stop_reason
+            if req.is_finished:  # the same token also hit a length limit: the stop string wins
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     @staticmethod
     def _progress(group: _Group) -> RequestProgress:
@@ -429,7 +445,9 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             tier_hits={"device": s.hits + s.resume_hits - sum(s.tier_hits.values()), **s.tier_hits},
             num_swapped_preemptions=self.scheduler.num_swaps, num_steps=self.num_steps,
-            last_step_tokens=self.last_step_tokens)
+            last_step_tokens=self.last_step_tokens, spec_decode_num_drafts=self.scheduler.num_drafts,
+            spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens)
         if self.kv_tiers is not None:
             self._tier_stats(stats)
         return stats

@@ -21,7 +21,7 @@ from kvserve.model.attention.triton_backend import select_attention_backend
 from kvserve.model.host_alloc import tune_malloc_for_inference
 from kvserve.model.kv_cache import create_kv_cache
 from kvserve.model.llama import LlamaModel
-from kvserve.model.sampler import Sampler, SamplingRow, token_logprobs
+from kvserve.model.sampler import Sampler, SamplingRow, row_argmax, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +113,27 @@ class ModelRunner:
             prompt_lps = self._prompt_logprobs(out, hidden, meta)
         self.kv_cache.finish_step()
 
-        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample]
-        if not sampling:
+        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample and not s.spec_token_ids]
+        guessing = [(i, s) for i, s in enumerate(out.scheduled) if s.spec_token_ids]
+        if not sampling and not guessing:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps)
-        last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[last_rows], float32=False)
+        # Sampled rows first, then every row of each speculated entry (the greedy token at each
+        # position checks the guess there), so that both are row slices of one lm_head call.
+        row_ids = [query_start_loc[i + 1] - 1 for i, _ in sampling]
+        for i, _ in guessing:
+            row_ids.extend(range(query_start_loc[i], query_start_loc[i + 1]))
+        logits = self.model.compute_logits(hidden[torch.tensor(row_ids, device=self.device)], float32=False)
         rows = [SamplingRow(s.request.request_id, s.request.sampling_params, s.request.prompt_token_ids,
                             s.request.output_token_ids, s.request.eos_token_ids) for _, s in sampling]
-        tokens = self.sampler(logits, rows)
-        return ModelRunnerOutput(sampled={r.request_id: t for r, t in zip(rows, tokens)}, prompt_logprobs=prompt_lps)
+        tokens = self.sampler(logits[:len(rows)], rows)
+        result = ModelRunnerOutput(sampled={r.request_id: t for r, t in zip(rows, tokens)}, prompt_logprobs=prompt_lps)
+        if guessing:
+            greedy = row_argmax(logits[len(rows):]).tolist()
+            at = 0
+            for _, s in guessing:
+                result.spec_tokens[s.request.request_id] = greedy[at:at + s.num_new_tokens]
+                at += s.num_new_tokens
+        return result
 
     def _replays(self, out: SchedulerOutput) -> bool:
         """Whether this step replays a decode graph: one token per sequence, a captured batch

@@ -132,4 +132,7 @@ class EngineStats:
     num_swapped_preemptions: int = 0  # preemptions whose KV went to the host tier
     num_swap_fallbacks: int = 0  # swap preemptions that recomputed: no room in the host tier
     num_steps: int = 0  # engine steps that ran a forward
+    spec_decode_num_drafts: int = 0  # speculated request-steps (--speculative-config)
+    spec_decode_num_draft_tokens: int = 0  # guesses fed to the model
+    spec_decode_num_accepted_tokens: int = 0  # guesses the model agreed with (kept)
     last_step_tokens: int = 0  # tokens the latest of them computed (prefill chunks + decodes)

@@ -7,6 +7,9 @@ import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+# Below this temperature a request samples greedily (the sampler takes the argmax).
+GREEDY_EPS = 1e-5
+
 
 class RequestOutputKind(IntEnum):
     """vLLM's: what `LLMEngine.step` returns for a request. CUMULATIVE (the default): an output per

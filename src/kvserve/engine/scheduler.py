@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler_output import (ModelRunnerOutput, ScheduledRequest,
                                              SchedulerOutput)
+from kvserve.engine.spec_decode import NgramProposer, SpeculativeConfig, speculation_allowed
 from kvserve.kv.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class SchedulerConfig:
     cache_aware: bool = False  # admit the longest cached prefix first among waiting requests
     cache_aware_window: int = 128  # how many waiting requests the cache-aware pass looks at
     preemption_mode: str = "recompute"  # recompute | swap
+    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (engine/spec_decode.py)
 
 
 class Scheduler:
@@ -47,6 +49,9 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last schedule(), for the runner
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions whose blocks went to the host tier
+        self.proposer = NgramProposer(config.speculative) if config.speculative else None
+        # vLLM's spec_decode counters: steps that carried guesses, guesses, guesses kept
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     # -- queue management -----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -67,6 +72,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.forget(req)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         self._finished_ids.append(request_id)
         return req
 
@@ -108,6 +115,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = self._draft(req, budget) if n == 1 and self.proposer is not None else []
+            if draft and not self.kv.allocate_slots(req, 1 + len(draft)):
+                draft = []  # guesses never cost another request its blocks
+            n += len(draft)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -115,7 +126,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            out.scheduled.append(self._entry(req, n))
+            out.scheduled.append(self._entry(req, n, draft))
             budget -= n
             i += 1
 
@@ -163,7 +174,7 @@ class Scheduler:
         bs = self.kv.block_size
         done: set[bytes] = set()
         for e in entries:
-            if e.num_new_tokens > 1:  # decodes fill blocks of generated text: not shareable yet
+            if e.num_new_tokens > 1 and not e.spec_token_ids:  # decodes fill blocks of generated text: not shareable yet
                 done.update(e.request.block_hashes[e.start_pos // bs:(e.start_pos + e.num_new_tokens) // bs])
         return done
 
@@ -197,10 +208,22 @@ class Scheduler:
         # Most worth keeping first: highest priority, then most computed work, then oldest.
         return (req.priority, -req.num_computed_tokens, req.arrival_time)
 
-    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+    def _entry(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
         return ScheduledRequest(request=req, start_pos=req.num_computed_tokens, num_new_tokens=n,
                                 block_table=self.kv.block_table(req),
-                                sample=req.num_computed_tokens + n == req.num_tokens)
+                                sample=req.num_computed_tokens + n - len(draft or ()) == req.num_tokens,
+                                spec_token_ids=draft or [])
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Guesses for a decoding request's next tokens: no more than the step's budget, its
+        max_tokens or max_model_len leave room for besides the token the step samples anyway."""
+        p = req.sampling_params
+        if not speculation_allowed(p, req.num_output_tokens):
+            return []
+        room = min(budget, self.config.max_model_len - req.num_tokens) - 1
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        return self.proposer.propose(req, room) if room > 0 else []
 
     def _preempt(self, req: Request, out: SchedulerOutput | None) -> None:
         num_blocks = len(self.kv.req_blocks.get(req.request_id, ()))
@@ -242,6 +265,10 @@ class Scheduler:
             req = entry.request
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if entry.spec_token_ids:
+                self._verify(entry, result.spec_tokens[req.request_id])
+                touched.append(req)
+                continue
             req.num_computed_tokens += entry.num_new_tokens
             self.kv.commit(req)
             if not entry.sample:
@@ -253,6 +280,31 @@ class Scheduler:
             if status is not None:
                 self.finish_request(req.request_id, status)
         return touched
+
+    def _verify(self, entry: ScheduledRequest, greedy: list[int]) -> None:
+        """Keep the guesses the model agrees with, then its own token after them; stop rules
+        apply token by token, so a stop among them ends the output there as without guesses."""
+        req, draft = entry.request, entry.spec_token_ids
+        accepted = 0
+        while accepted < len(draft) and greedy[accepted] == draft[accepted]:
+            accepted += 1
+        self.num_drafts += 1
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_tokens += accepted
+        status = None
+        appended = 0
+        for tok in greedy[:accepted + 1]:
+            req.append_output_token(tok)
+            appended += 1
+            status = self._check_stop(req, tok)
+            if status is not None:
+                break
+        # The K/V written is right for the last known token and the guesses kept, one per token
+        # appended but the last (the rest is overwritten next step).
+        req.num_computed_tokens = entry.start_pos + appended
+        self.kv.commit(req)
+        if status is not None:
+            self.finish_request(req.request_id, status)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         p = req.sampling_params

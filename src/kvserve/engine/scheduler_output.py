@@ -44,10 +44,14 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens request.all_token_ids[start_pos:start_pos+num_new_tokens]
     block_table: list[int]  # covers at least start_pos + num_new_tokens slots
     sample: bool  # this chunk ends at the last known token: sample the next one
+    # Speculative decoding: guessed tokens after the last known one, the last len(spec_token_ids)
+    # of the num_new_tokens (engine/spec_decode.py). The runner returns the greedy token at each.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_new_tokens]
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[self.start_pos:self.start_pos + known] + self.spec_token_ids
 
 
 @dataclass
@@ -89,5 +93,7 @@ class PromptLogprobs(NamedTuple):
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)  # only for sample=True entries
+    sampled: dict[str, SampledToken] = field(default_factory=dict)  # sample=True entries without guesses
+    # Entries with spec_token_ids: the greedy token at each of their positions (1 + guesses).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that ask

@@ -18,11 +18,10 @@ from typing import Collection, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sampling_params import GREEDY_EPS, SamplingParams
 from kvserve.engine.scheduler_output import SampledToken
 from kvserve.model.attention.cpu_kernel import argmax_bf16_kernel
 
-_GREEDY_EPS = 1e-5
 
 
 class SamplingRow(NamedTuple):
@@ -153,7 +152,7 @@ class Sampler:
                     bans.append((i, banned))
         pen = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
                or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
-        rand = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_EPS]
+        rand = [i for i, r in enumerate(rows) if r.params.temperature >= GREEDY_EPS]
         if not (lp_rows or bans or pen or rand):  # plain greedy: the argmax is all that reads them
             return self._results(row_argmax(logits), None, [], rows)
         given = logits

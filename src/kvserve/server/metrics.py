@@ -136,6 +136,10 @@ class ServerMetrics:
         self.offloaded_blocks = counter("kvserve:kv_offloaded_blocks", "Evicted device blocks copied down to the tiers.")
         self.offload_dropped = counter("kvserve:kv_offload_dropped_blocks", "Evicted blocks dropped: the tier writer queue was full.")
         self.swapped_preemptions = counter("kvserve:num_swapped_preemptions", "Preemptions whose KV went to the host tier.")
+        # vLLM's speculative decoding counters (acceptance rate = accepted / draft tokens).
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Request-steps that carried speculated tokens.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Speculated tokens fed to the model.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Speculated tokens the model agreed with.")
         if engine_args is not None:
             info = Info("kvserve:cache_config", "KV cache configuration.", L, registry=r)
             info.labels(model_name).info({
@@ -226,6 +230,9 @@ class ServerMetrics:
         self._advance("kob", self.offloaded_blocks.labels(m), getattr(s, "kv_offloaded_blocks", 0))
         self._advance("kod", self.offload_dropped.labels(m), getattr(s, "kv_offload_dropped_blocks", 0))
         self._advance("nsp", self.swapped_preemptions.labels(m), getattr(s, "num_swapped_preemptions", 0))
+        self._advance("sdd", self.spec_drafts.labels(m), getattr(s, "spec_decode_num_drafts", 0))
+        self._advance("sdt", self.spec_draft_tokens.labels(m), getattr(s, "spec_decode_num_draft_tokens", 0))
+        self._advance("sda", self.spec_accepted.labels(m), getattr(s, "spec_decode_num_accepted_tokens", 0))
 
     def observe_progress(self, p: RequestProgress, now: float) -> None:
         """Per-token metrics of a request that gained tokens: TTFT once, then inter-token gaps."""
