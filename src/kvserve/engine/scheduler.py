@@ -116,14 +116,15 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 and self.proposer is not None else []
-            if draft and not self.kv.allocate_slots(req, 1 + len(draft)):
+            if draft and self.kv.allocate_slots(req, n + len(draft)):
+                n += len(draft)
+            else:
                 draft = []  # guesses never cost another request its blocks
-            n += len(draft)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                if victim is req:
-                    break
+                while not self.kv.allocate_slots(req, n):
+                    victim = self.running.pop()
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
             if req.status != RequestStatus.RUNNING:
                 break
             out.scheduled.append(self._entry(req, n, draft))

@@ -17,6 +17,8 @@ token at every position of a speculated request.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import GREEDY_EPS, SamplingParams
@@ -28,6 +30,14 @@ def speculation_allowed(p: SamplingParams, num_output_tokens: int) -> bool:
     return (p.temperature < GREEDY_EPS and p.logprobs is None and not p.stop
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and num_output_tokens >= p.min_tokens)
+
+
+@dataclass
+class _Index:
+    """One request's n-gram tables (one per n, largest first): n tokens -> where the tokens after
+    their latest occurrence start; `length`: how many of its tokens they cover."""
+    length: int
+    tables: list[dict[tuple, int]]
 
 
 class NgramProposer:
@@ -42,7 +52,7 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.sizes = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
-        self._tables: dict[str, tuple[list[int], list[dict[tuple, int]]]] = {}
+        self._index: dict[str, _Index] = {}
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         """Up to min(K, max_tokens) guesses for the tokens after req.all_token_ids."""
@@ -50,15 +60,16 @@ class NgramProposer:
         if k <= 0:
             return []
         tokens = req.all_token_ids
-        indexed, tables = self._tables.setdefault(req.request_id, ([0], [{} for _ in self.sizes]))
+        index = self._index.get(req.request_id)
+        if index is None:
+            index = self._index[req.request_id] = _Index(0, [{} for _ in self.sizes])
         # n-grams ending before position j, recorded once token j exists (so each has a continuation)
-        for j in range(max(indexed[0], 1), len(tokens)):
-            for n, table in zip(self.sizes, tables):
+        for j in range(max(index.length, 1), len(tokens)):
+            for n, table in zip(self.sizes, index.tables):
                 if j >= n:
                     table[tuple(tokens[j - n:j])] = j
-        indexed[0] = max(indexed[0], len(tokens))
-        end = len(tokens)
-        for n, table in zip(self.sizes, tables):
+        index.length = end = len(tokens)  # a request's tokens only grow (preemption keeps them)
+        for n, table in zip(self.sizes, index.tables):
             if end >= n:
                 start = table.get(tuple(tokens[end - n:]))
                 if start is not None:
@@ -71,4 +82,4 @@ class NgramProposer:
         return []
 
     def forget(self, request_id: str) -> None:
-        self._tables.pop(request_id, None)
+        self._index.pop(request_id, None)

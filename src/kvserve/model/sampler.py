@@ -23,7 +23,6 @@ from kvserve.engine.scheduler_output import SampledToken
 from kvserve.model.attention.cpu_kernel import argmax_bf16_kernel
 
 
-
 class SamplingRow(NamedTuple):
     """What the sampler needs to know about the request behind one logits row."""
     request_id: str
