@@ -10,6 +10,7 @@ server runs alternate, best of --repeat each.
     python bench/server_mode.py                       # random + shared, 64 requests, bf16
     python bench/server_mode.py --workloads random --num-requests 16
     python bench/server_mode.py --device cuda --model DIR      # a GPU
+    python bench/server_mode.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 Prints a table and writes bench/results/server_mode.json.
 """
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="interleaved offline/server runs; best of each")
     ap.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--speculative-config", default=None,
+                    help="vLLM's --speculative-config JSON, given to both sides, e.g. "
+                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}'")
     ap.add_argument("--json", default=str(HERE / "results" / "server_mode.json"))
     args = ap.parse_args(argv)
 
@@ -81,6 +85,9 @@ def main(argv=None) -> int:
              "--max-num-seqs", str(args.num_requests), "--device", args.device]
     if args.model:
         flags += ["--model", args.model]
+    if args.speculative_config:
+        settings["speculative_config"] = args.speculative_config
+        flags += ["--speculative-config", args.speculative_config]
     workloads = make_workloads(args.num_requests, 49152)
     names = args.workloads.split(",")
     results: dict = {"settings": settings, "num_requests": args.num_requests, "workloads": {}}
@@ -106,7 +113,8 @@ def main(argv=None) -> int:
     finally:
         server.stop()
 
-    print(f"\nServer mode vs offline, {args.num_requests} requests, {args.dtype}, {os.cpu_count()} CPUs")
+    spec = f", speculative {args.speculative_config}" if args.speculative_config else ""
+    print(f"\nServer mode vs offline, {args.num_requests} requests, {args.dtype}, {os.cpu_count()} CPUs{spec}")
     print(f"{'workload':<8} {'offline s (each)':>18} {'offline tok/s':>14} {'server s (each)':>18} {'server tok/s':>13} "
           f"{'server/offline':>15} {'cached off/srv':>15}")
     for name in names:
