@@ -5,9 +5,9 @@ the same names as keyword arguments. Nothing else configures the engine.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
-import json
 import re
 from dataclasses import dataclass, field, fields
 
@@ -155,18 +155,18 @@ def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | No
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--speculative-config is not valid JSON ({e}); give an object such as "
-                                  f'\'{{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}}\'') from None
+                              f'\'{{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}}\'') from None
     if not isinstance(value, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
     known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ConfigError(f"--speculative-config: {', '.join(unknown)} not supported (kvserve implements the "
-                              f"ngram method's keys: {', '.join(sorted(known))})")
+                          f"ngram method's keys: {', '.join(sorted(known))})")
     method = value.get("method", "ngram")
     if method not in SPECULATIVE_METHODS:
         raise ConfigError(f"--speculative-config method {method!r} is not implemented; kvserve has "
-                              f"{', '.join(SPECULATIVE_METHODS)} (prompt lookup), which needs no draft model")
+                          f"{', '.join(SPECULATIVE_METHODS)} (prompt lookup), which needs no draft model")
     k = value.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ConfigError(f"--speculative-config needs num_speculative_tokens, an integer >= 1 (got {k!r})")
