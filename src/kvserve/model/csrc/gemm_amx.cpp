@@ -65,7 +65,7 @@ inline __attribute__((always_inline)) void configure(int mr) {
 
 struct Gemm {
     const uint16_t* x;
-    int64_t M, K;
+    int64_t M, K, N;
     const void* packed;  // bf16 panels, or GGUF codes in tile order (weight_tiles.h)
     uint16_t* y;
     Epilogue e;
@@ -105,7 +105,12 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
             const uint16_t* pa = codes ? bbuf : (const uint16_t*)g.packed + panel * KP * 32;
             const uint16_t* pb = codes ? bbuf + SLAB * 512 : pa + KP * 32;
             const int64_t boff = codes ? kb0 : 0;
+            // The thread's next half (panels + 2, + 3: this unit's second half, or its next unit's
+            // first) is asked into L2 tile by tile as this half's tiles are expanded, so its first
+            // pass does not wait on DRAM for every line the L2 streamer has not reached yet.
+            const bool ask_next = codes && panel + 3 < g.N / 16;
             auto expand = [&](int64_t kb) {
+                if (ask_next) tiles::prefetch<FMT>(g.packed, panel + 2, steps, kb);
                 tiles::dequantize<FMT>(g.packed, panel, steps, kb, bbuf + (kb - kb0) * 512);
                 tiles::dequantize<FMT>(g.packed, panel + 1, steps, kb, bbuf + (SLAB + kb - kb0) * 512);
             };
@@ -166,7 +171,7 @@ template <int FMT>
 void run(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, uint16_t* y, int kind,
          const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim, int64_t rope_cols) {
     if (M <= 0) return;
-    const Gemm g{x, M, K, packed, y, make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols)};
+    const Gemm g{x, M, K, N, packed, y, make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols)};
     const int64_t groups = N / 64, chunks = (M + MB - 1) / MB;
     // Super-chunks of equal size: the static schedule hands each thread a contiguous run of units,
     // and a short last super-chunk (17 chunks as 16 + 1) left one thread with most of the work.

@@ -32,6 +32,17 @@ inline __m512 spread_hi(__m512 v) {
     return _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
 }
 
+// Tile kb of panels p and p + 1 of `codes` into L2 (every line a tile touches: Q8_0's 544-byte
+// tiles straddle line boundaries).
+template <int FMT>
+inline void prefetch(const void* codes, int64_t p, int64_t steps, int64_t kb) {
+    constexpr int64_t TB = tile_bytes<FMT>();
+    for (int64_t q = p; q < p + 2; ++q) {
+        const uintptr_t t = (uintptr_t)codes + (uintptr_t)((q * steps + kb) * TB);
+        for (uintptr_t line = t & ~(uintptr_t)63; line < t + TB; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T1);
+    }
+}
+
 // Tile kb of panel p of `codes` (a weight of `steps` = K / 32 tiles a panel) -> 16 x 32 bf16 at dst.
 // d * q is exact in float32 (11 bits of d times at most 8 of q), so one fused multiply-add rounds
 // d * q + m exactly as gguf's product-then-sum does.
