@@ -187,6 +187,19 @@ def test_llama3_rope_scaling_matches_hf_inv_freq():
     assert changed.any() and not changed.all(), "the case must cover scaled and unscaled frequencies"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_equal_the_per_step_computation(dtype):
+    """On CPU cos/sin come from a table that grows with the positions asked for; every row must be
+    what computing it from its position gives, before and after the table grows."""
+    model = LlamaModel(model_config("llama3_rope"), weights("llama3_rope"), dtype)
+    for positions in (torch.tensor([0, 5, 3, 255]), torch.tensor([7, 300, 1000]), torch.arange(1500, 1510)):
+        cos, sin = model.rope_cos_sin(positions)
+        want_cos, want_sin = model._rope_rows(positions)
+        assert cos.shape == (len(positions), 1, want_cos.shape[1])
+        assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+    assert model._rope_table[0].shape[0] >= 1510
+
+
 def test_reference_comparison_detects_errors():
     """The tolerance is far below what a wrong window or a position off by one produces."""
     seqs = {"a": tokens(4, 40)}
