@@ -210,10 +210,11 @@ class Scheduler:
         return (req.priority, -req.num_computed_tokens, req.arrival_time)
 
     def _entry(self, req: Request, n: int, draft: list[int] | None = None) -> ScheduledRequest:
+        draft = draft or []
         return ScheduledRequest(request=req, start_pos=req.num_computed_tokens, num_new_tokens=n,
                                 block_table=self.kv.block_table(req),
-                                sample=req.num_computed_tokens + n - len(draft or ()) == req.num_tokens,
-                                spec_token_ids=draft or [])
+                                sample=req.num_computed_tokens + n - len(draft) == req.num_tokens,
+                                spec_token_ids=draft)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Guesses for a decoding request's next tokens: no more than the step's budget, its

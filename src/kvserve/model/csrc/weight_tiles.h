@@ -39,7 +39,8 @@ inline void prefetch(const void* codes, int64_t p, int64_t steps, int64_t kb) {
     constexpr int64_t TB = tile_bytes<FMT>();
     for (int64_t q = p; q < p + 2; ++q) {
         const uintptr_t t = (uintptr_t)codes + (uintptr_t)((q * steps + kb) * TB);
-        for (uintptr_t line = t & ~(uintptr_t)63; line < t + TB; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T1);
+        for (uintptr_t line = t & ~(uintptr_t)63; line < t + TB; line += 64)
+            _mm_prefetch((const char*)line, _MM_HINT_T1);
     }
 }
 
