@@ -8,7 +8,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from server_util import shared_server, wait_until
+from server_util import shared_server, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -107,3 +107,17 @@ def test_preemptions_counted_under_tiny_kv_budget(server):
     assert all(r.json()["usage"]["completion_tokens"] == 100 for r in results)  # preempted ones still finish
     assert server.metric("vllm:num_preemptions_total") > before
     wait_until(lambda: server.metric("kvserve:kv_blocks_used") == 0, 10, what="blocks freed")
+
+
+def test_vllm_api_key_env_turns_auth_on():
+    """vLLM reads VLLM_API_KEY when --api-key is absent; a launch script relying on it must not
+    start an open server."""
+    handle = start_server("--max-model-len", "128", "--disable-log-stats", env={"VLLM_API_KEY": "env-key"})
+    try:
+        body = {"prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(f"{handle.url}/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"{handle.url}/v1/completions", json=body, headers=auth("env-key"), timeout=60)
+        assert r.status_code == 200, r.text
+        assert "auth on" in handle.log()
+    finally:
+        handle.stop()

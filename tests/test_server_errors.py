@@ -102,6 +102,37 @@ CASES = [
     ("truncate-zero", COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, [">= 1"],
      "truncate_prompt_tokens"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [10**7]}, 400, ["tokens"], "tokens"),
+    # a seed the sampler's generator cannot take: refused before it reaches the engine step
+    ("seed-over-int64", COMPLETIONS, {"prompt": "x", "temperature": 1, "seed": 2**64}, 400, ["seed"], "seed"),
+    ("seed-plus-n-over-int64", COMPLETIONS, {"prompt": "x", "temperature": 1, "n": 2, "seed": 2**63 - 1}, 400,
+     ["seed", "seed + i"], "seed"),
+    # an unpaired surrogate escape is not Unicode text: a 400 naming where, not a plain-text 500
+    ("lone-surrogate-prompt", COMPLETIONS, b'{"prompt": ["ok", "Hi \\ud800"]}', 400,
+     ["`prompt[1]`", "unpaired", "surrogate"], None),
+    ("lone-surrogate-model", COMPLETIONS, b'{"prompt": "x", "model": "\\udfff"}', 400, ["`model`", "surrogate"],
+     None),
+    ("lone-surrogate-tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400, ["surrogate"], None),
+    ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     400, ["`messages[0].content[0].text`", "surrogate"], None),
+    ("json-mode-on-completions", COMPLETIONS, {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
+     ["response_format", "structured output"], "response_format"),
+    ("tools-on-completions", COMPLETIONS, {"prompt": "x", "tools": [{"type": "function"}]}, 400, ["tools"], "tools"),
+    ("tool-choice-without-tools", CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     400, ["tool_choice", "needs tools"], "tool_choice"),
+    ("assistant-tool-calls", CHAT, {"messages": [{"role": "user", "content": "x"},
+                                                 {"role": "assistant", "content": None,
+                                                  "tool_calls": [{"id": "1", "type": "function"}]}]},
+     400, ["tool_calls", "not supported"], "messages.1.tool_calls"),
+    ("template-kwargs-tokenize", CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                        "chat_template_kwargs": {"tokenize": False}}, 400,
+     ["chat_template_kwargs", "tokenize", "not a template variable"], "chat_template_kwargs"),
+    ("template-kwargs-generation-prompt", CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                                 "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
+     ["add_generation_prompt", "request's own field"], "chat_template_kwargs"),
+    ("text-part-without-text", CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     ["'text' field"], "messages"),
+    ("content-wrong-type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400,
+     ["`messages[0].content` must be a string"], "messages.0.content"),
     ("tokenize-nothing", "/tokenize", {}, 400, ["prompt", "messages"], None),
 ]
 
@@ -131,6 +162,17 @@ def test_off_values_and_unknown_fields_are_accepted(server):
                             "parallel_tool_calls": True, "modalities": ["text"], "reasoning_effort": "low",
                             "top_logprobs": 0, "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 200, r.text
+    # the off values of the fields refused above: plain text, no tool choice, no tool calls; a
+    # surrogate *pair* (what json.dumps writes for an emoji) is Unicode and passes
+    r = post(server, CHAT, {"messages": [{"role": "user", "content": "x \U0001F600"},
+                                         {"role": "assistant", "content": "y", "tool_calls": []},
+                                         {"role": "user", "content": "z"}], "max_tokens": 1,
+                            "tool_choice": "none", "response_format": {"type": "text"}, "seed": -(2**63),
+                            "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    r = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 1, "response_format": {"type": "text"},
+                                   "tool_choice": None, "seed": 2**63 - 1, "temperature": 1.0})
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_route_and_method(server):
@@ -146,6 +188,23 @@ def test_server_survives_bad_input_and_serves_others(server):
     r = post(server, COMPLETIONS, {"prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert "Traceback" not in server.log()
+
+
+def test_a_refused_seed_does_not_fail_other_requests(server):
+    """A seed out of int64 used to reach the sampler and fail the engine step, ending every request in
+    flight; now it is refused at the door and the stream beside it finishes normally."""
+    with httpx.stream("POST", server.url + COMPLETIONS, timeout=120,
+                      json={"prompt": "Count: 1, 2, 3,", "max_tokens": 40, "ignore_eos": True, "stream": True,
+                            "temperature": 1.0, "seed": 1}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert "error" not in first
+        for seed, n in ((2**64, 1), (-(2**63) - 1, 1), (2**63 - 1, 3)):
+            r = post(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "temperature": 1.0, "seed": seed, "n": n})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    assert sum(json.loads(line[6:])["choices"][0]["finish_reason"] == "length" for line in rest[:-1]) == 1
 
 
 def _idle(server):

@@ -116,6 +116,10 @@ def test_every_issue_metric_is_exported_with_model_label(server):
         series = [k for k in keys if k.partition("{")[0] == name]
         assert series, name
         assert all('model_name="SmolLM2-135M-Instruct"' in k for k in series), name
+    # the process and runtime series vLLM's /metrics carries (generic memory / restart panels)
+    for name in ("process_resident_memory_bytes", "process_start_time_seconds", "python_info",
+                 "python_gc_collections_total"):
+        assert any(k.partition("{")[0] == name for k in keys), name
     total = server.metric("kvserve:kv_blocks_total")
     assert total == server.metric("kvserve:kv_blocks_free") + server.metric("kvserve:kv_blocks_used") + \
         server.metric("kvserve:kv_blocks_cached")

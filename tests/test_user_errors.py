@@ -85,7 +85,9 @@ def test_chat_messages_are_normalised_or_refused():
                                   ["--tokenizer-mode", "auto"],
                                   ["--distributed-executor-backend", "mp"], ["--max-seq-len-to-capture", "8192"],
                                   ["--disable-frontend-multiprocessing"], ["--root-path", "/x"],
-                                  ["--allowed-origins", '["http://a"]'], ["--response-role", "bot"]])
+                                  ["--allowed-origins", '["http://a"]'], ["--response-role", "bot"],
+                                  ["--load-format", "auto"], ["--load-format", "safetensors"],
+                                  ["--load-format", "gguf"], ["--dtype", "half"], ["--dtype", "float"]])
 def test_vllm_serve_flags_are_accepted(argv):
     from kvserve.cli import build_parser
     build_parser().parse_args(["serve", *argv])
@@ -100,6 +102,26 @@ def test_vllm_serve_flags_refused_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("alias, dtype", [("half", "float16"), ("float", "float32")])
+def test_vllm_dtype_spellings_map_to_one_name(alias, dtype):
+    args = EngineArgs(dtype=alias)
+    args.validate()
+    assert args.dtype == dtype
+
+
+def test_max_logprobs_minus_one_means_the_vocabulary(tiny):
+    """vLLM's -1 is "no cap": every request may ask up to the vocabulary, not none of them."""
+    with pytest.raises(ConfigError, match="-1 for no cap"):
+        EngineArgs(model=str(tiny), max_logprobs=-2).validate()
+    llm = LLM(str(tiny), max_logprobs=-1, dtype="float32", kv_cache_memory="16MiB")
+    vocab = llm.engine.model_config.vocab_size
+    assert llm.engine.max_logprobs == vocab
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=vocab), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) == vocab
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=vocab + 1), use_tqdm=False)
 
 
 def test_override_generation_config_must_be_a_json_object():

@@ -14,7 +14,7 @@ import os
 import sys
 import typing
 
-from kvserve.config import (DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, VLLM_NOOP,
+from kvserve.config import (DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, VLLM_NOOP,
                             VLLM_NOOP_VALUE, VLLM_REFUSED, ConfigError, EngineArgs, accepted_values, parse_size)
 
 logger = logging.getLogger("kvserve")
@@ -27,7 +27,7 @@ _GROUPS = {
     "Scheduler": ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
                   "preemption_mode", "cache_aware_scheduling", "speculative_config"],
 }
-_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
+_CHOICES = {"dtype": DTYPES + tuple(DTYPE_ALIASES), "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
             "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda"),
             "attention_backend": ("auto", "torch", "triton"), "quantization": ("gguf", "none")}
 _HELP = {
@@ -74,7 +74,7 @@ _HELP = {
     "cache_aware_scheduling": "admit the waiting request with the longest cached prefix first (SGLang LPM)",
     "check_integrity": "verify block accounting after every step (slow; debugging)",
     "disable_log_stats": "no periodic stats log line",
-    "max_logprobs": "largest logprobs / top_logprobs a request may ask for",
+    "max_logprobs": "largest logprobs / top_logprobs a request may ask for (-1: no cap but the vocabulary, as vLLM)",
 }
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
 
@@ -199,7 +199,7 @@ def _add_serve(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; 0.0.0.0 exposes it)")
     s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     s.add_argument("--api-key", action="append", default=[], help="require `Authorization: Bearer KEY` on /v1 "
-                   "routes; repeat for several keys (all share one tenant)")
+                   "routes; repeat for several keys (all share one tenant); default: $VLLM_API_KEY if set, as vLLM")
     s.add_argument("--api-keys-file", help="JSON {key: tenant} or lines `KEY TENANT`; each tenant gets its own "
                    "prefix cache (salted block hashes)")
     s.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
@@ -237,7 +237,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     from kvserve.server.serving import CorsConfig, ServingConfig
 
     args = engine_args_from(ns)
-    auth = Authenticator(load_api_keys(ns.api_key, ns.api_keys_file))
+    # vLLM reads VLLM_API_KEY when --api-key is not given; a launch script relying on it must not run open.
+    env_key = os.environ.get("VLLM_API_KEY")
+    auth = Authenticator(load_api_keys(ns.api_key or ([env_key] if env_key else []), ns.api_keys_file))
     names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     llm = AsyncLLM.from_engine_args(args)
     disable_created_metrics()  # no *_created series: monitoring greps see one line per metric
@@ -249,7 +251,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.request_log:
         llm.step_listeners.append(RequestLogWriter(ns.request_log))
     cors = CorsConfig(ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials)
-    config = ServingConfig(served_model_names=names, max_logprobs=args.max_logprobs,
+    config = ServingConfig(served_model_names=names, max_logprobs=llm.max_logprobs,
                            enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len,
                            response_role=ns.response_role, cors=cors, scheduling_policy=args.scheduling_policy)
     app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes)

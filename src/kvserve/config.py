@@ -15,6 +15,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3  # vLLM CPU backend's default KV space
 DEFAULT_KV_DISK_SIZE = 10 * 1024**3  # disk KV tier cap when --kv-disk-path is given alone
@@ -41,7 +42,8 @@ VLLM_REFUSED = {
     "lora_modules": (None, "LoRA adapters are not implemented"),
     "kv_transfer_config": (None, "KV transfer / disaggregated prefill is not implemented"),
     "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
-    "load_format": (None, "only safetensors directories and GGUF files are loaded"),
+    "load_format": (("auto", "safetensors", "gguf"), "only safetensors directories and GGUF files are loaded, "
+                                                     "told apart by the path"),
     "chat_template": (None, "custom chat templates are not implemented; the model's own template is used"),
     "tool_call_parser": (None, "tool calling is not implemented"),
     "enable_auto_tool_choice": (None, "tool calling is not implemented"),
@@ -275,6 +277,7 @@ class EngineArgs:
             self.preemption_mode = "swap" if self.host_tier_gib > 0 else "recompute"
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)} (got {self.preemption_mode!r})")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -292,6 +295,8 @@ class EngineArgs:
             raise ConfigError(f"--kv-cache-memory must be > 0 bytes (got {self.kv_cache_memory})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1 (got {self.max_model_len})")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"--max-logprobs must be >= 0, or -1 for no cap (got {self.max_logprobs})")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB (got {self.swap_space})")
         self.speculative  # raises ConfigError on a malformed --speculative-config

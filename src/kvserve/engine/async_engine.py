@@ -106,6 +106,7 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
+        self.max_logprobs: int = engine.max_logprobs
         self.sampling_defaults: dict = engine.sampling_defaults
         self.token_text = engine.token_text
         self.step_listeners: list[StepListener] = list(step_listeners or [])

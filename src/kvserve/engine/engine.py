@@ -176,6 +176,12 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
+    @property
+    def max_logprobs(self) -> int:
+        """--max-logprobs, where -1 (vLLM's "no cap") means the vocabulary."""
+        m = self.args.max_logprobs
+        return self.model_config.vocab_size if m == -1 else m
+
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, priority: int = 0, cache_salt: str | None = None,
@@ -184,7 +190,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         try:
-            params.validate(max_logprobs=self.args.max_logprobs)
+            params.validate(max_logprobs=self.max_logprobs)
         except SamplingParamsError as e:
             raise RequestError(str(e), str(e).split()[0]) from None
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)

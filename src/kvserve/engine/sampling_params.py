@@ -22,6 +22,9 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # torch generator seeds; vLLM's bounds
+
+
 class SamplingParamsError(ValueError):
     """A user-supplied sampling setting is invalid; the message names the field and the limit."""
 
@@ -155,3 +158,9 @@ class SamplingParams:
             raise bad("prompt_logprobs", f"must be in [0, {max_logprobs}], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+            # Choice i samples with seed + i (a torch generator each), so every one must fit in int64.
+            limit = INT64_MAX - (self.n - 1)
+            raise bad("seed", f"must be in [{INT64_MIN}, {limit}] (a signed 64-bit integer"
+                              + (f"; choice i of n={self.n} samples with seed + i" if self.n > 1 else "")
+                              + f"), got {self.seed}")

@@ -288,10 +288,11 @@ class Tokenizer:
             self._compiled_template = _compile_chat_template(self.chat_template)
         from jinja2.exceptions import TemplateError
         try:
+            variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                         "unk_token": self.unk_token or "", "pad_token": self.pad_token or "",
+                         "documents": None, **template_kwargs}  # extra variables win, as in transformers
             text = self._compiled_template.render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                unk_token=self.unk_token or "", pad_token=self.pad_token or "", **template_kwargs)
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
         except (TemplateError, TypeError) as e:  # TypeError: the template's own operations on our values
             raise TokenizerError(f"the chat template rejected these messages: {e}") from None
         if continue_final_message:
@@ -327,7 +328,10 @@ def chat_text_messages(messages: Any) -> list[dict[str, Any]]:
         elif isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+                    raise TokenizerError(f"messages[{i}].content[{j}]: a text part needs a string 'text' field, "
+                                         f"got {type(part.get('text')).__name__}; send {{'type': 'text', 'text': ...}}")
+                if not (isinstance(part, dict) and part.get("type") == "text"):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise TokenizerError(f"messages[{i}].content[{j}]: content part type {kind!r} is not "
                                          "supported; send text parts ({'type': 'text', 'text': ...}) only")

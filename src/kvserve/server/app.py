@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -39,8 +41,44 @@ def _error(status: int, message: str, *, param: str | None = None, type: str = "
                         status_code=status)
 
 
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): paired ones decode to one character, a lone
+# one to a str no tokenizer or UTF-8 response can take.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """Where a JSON body's strings hold an unpaired surrogate escape: a message naming the field,
+    or None (also for bodies that are not JSON, whose parser error says more)."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, object]] = [("", doc)]
+    while stack:  # iterative: a deeply nested body must not exhaust the recursion limit
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                name = key.encode("utf-8", "backslashreplace").decode()  # printable even if it is the culprit
+                child = f"{path}.{name}" if path else name
+                stack.append((f"a key of `{path}`" if path else "a key", key))
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            bad = next((i for i, ch in enumerate(value) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+            if bad is not None:
+                where = path if path.startswith("a key") else f"`{path or 'request body'}`"
+                return (f"{where} holds an unpaired UTF-16 surrogate (\\u{ord(value[bad]):04x} at "
+                        f"character {bad}), which is not Unicode text; send the character as a surrogate pair "
+                        "or drop it")
+    return None
+
+
 class BodyLimitMiddleware:
-    """Refuses bodies over `max_bytes` (413) and bodies that are not UTF-8 (400) before any parsing.
+    """Refuses bodies over `max_bytes` (413) and bodies that are not UTF-8 (400) or hold an unpaired
+    surrogate escape (400) before any parsing.
 
     Pure ASGI so that the disconnect messages that follow the body still reach the app.
     """
@@ -75,6 +113,9 @@ class BodyLimitMiddleware:
         except UnicodeDecodeError as e:
             return await self._refuse(send, 400, f"Request body is not valid UTF-8: byte 0x{body[e.start]:02x} "
                                                  f"at offset {e.start}; send JSON encoded as UTF-8")
+        surrogate = lone_surrogate(body)
+        if surrogate is not None:
+            return await self._refuse(send, 400, surrogate)
         replayed = False
 
         async def replay():
@@ -202,6 +243,10 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         if first.get("type") == "json_invalid":
             detail = (first.get("ctx") or {}).get("error", "JSON decode error")
             return _error(400, f"Request body is not valid JSON: {detail} at offset {loc[0] if loc else '?'}")
+        if len(loc) > 3 and loc[0] == "messages" and loc[2] == "content":
+            # pydantic names the union branch that failed last (`messages.0.content.str`); say the shapes
+            return _error(400, f"`messages[{loc[1]}].content` must be a string, null or a list of content parts "
+                               "such as {\"type\": \"text\", \"text\": \"...\"}", param=f"messages.{loc[1]}.content")
         fields = {next((str(x) for x in err.get("loc", ()) if x != "body"), None) for err in errors}
         if len(errors) > 1 and len(fields) == 1 and (field := fields.pop()) in _UNION_SHAPES:
             # One field that fits none of its accepted forms: pydantic reports each form's failure

@@ -11,7 +11,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, Info, PlatformCollector,
+                               ProcessCollector)
 
 from kvserve.engine.async_engine import StepEvent
 from kvserve.engine.outputs import RequestProgress
@@ -52,6 +53,10 @@ class ServerMetrics:
         """initial_stats: the engine's stats before its first step. Without them the pool gauges
         read 0 until the first request, and a fresh server would report an empty KV pool."""
         self.registry = r = CollectorRegistry()
+        # process_* / python_* as on vLLM's /metrics (its default registry): memory and CPU panels, restarts
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.model_name = model_name
         L = ["model_name"]
 

@@ -61,7 +61,7 @@ class _SamplingRequest(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)  # int64, as vLLM
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -110,7 +110,16 @@ UNSUPPORTED_PARAMS = {
                      "web_search_options"), "not implemented by kvserve"),
 }
 # Their values that mean "not used" besides null / false / empty (clients that send every default).
-OFF_VALUES = {"length_penalty": 1.0, "modalities": ["text"]}
+OFF_VALUES = {"length_penalty": 1.0, "modalities": ["text"], "response_format": {"type": "text"}}
+# /v1/completions: OpenAI chat fields that would constrain or route the output there too.
+COMPLETION_REFUSED = {
+    "response_format": "structured output (JSON mode, JSON schema) is not implemented; only plain text is generated",
+    **dict.fromkeys(("tools", "tool_choice"), "tool calling is not implemented"),
+}
+# chat_template_kwargs are template variables; these names are the templating call's own arguments.
+CHAT_TEMPLATE_RESERVED = ("messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize",
+                          "tools", "documents", "chat_template", "return_dict", "return_tensors",
+                          "return_assistant_tokens_mask", "padding", "truncation", "max_length")
 # (spaces_between_special_tokens and reasoning_effort change nothing for the fast tokenizers and
 # chat templates kvserve serves: unknown to it, they are logged and ignored, as vLLM ignores them.)
 
@@ -124,6 +133,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # refused unless empty: no tools are served
 
 
 class ResponseFormat(_Strict):

@@ -130,8 +130,9 @@ class OpenAIServing:
             raise APIError(f"{what} is empty; send at least one token", param=what)
         room = self.max_model_len - prompt_len
         if room <= 0:
+            verb = "have" if what == "messages" else "has"
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                           f"your {what} has {prompt_len} tokens, leaving no room for output; shorten it "
+                           f"your {what} {verb} {prompt_len} tokens, leaving no room for output; shorten it "
                            f"or start the server with a larger --max-model-len", param=what,
                            code="context_length_exceeded")
         if max_tokens is None:
@@ -226,7 +227,7 @@ class OpenAIServing:
         return prompts, texts
 
     async def create_completion(self, req: P.CompletionRequest, cache_salt: str | None):
-        self._check_common(req)
+        self._check_common(req, P.COMPLETION_REFUSED)
         if req.suffix:
             raise APIError("suffix is not supported by kvserve; remove it", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -302,7 +303,7 @@ class OpenAIServing:
     # ----- /v1/chat/completions -----
 
     def _chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        messages = [m.model_dump(exclude_none=True, exclude={"tool_calls"}) for m in req.messages]
         try:  # normalises the messages (chat_text_messages) before rendering
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                       continue_final_message=req.continue_final_message,
@@ -316,6 +317,20 @@ class OpenAIServing:
         self._check_common(req, {"echo": "echo is not implemented for chat completions"})
         if req.tools:
             raise APIError("tools are not supported by kvserve; remove tools/tool_choice", param="tools")
+        if req.tool_choice not in (None, "none"):  # vLLM: "When using `tool_choice`, `tools` must be set."
+            raise APIError(f"tool_choice {req.tool_choice!r} needs tools, and kvserve serves none; remove "
+                           "tool_choice (or send \"none\")", param="tool_choice")
+        for i, m in enumerate(req.messages):
+            if m.tool_calls:
+                raise APIError(f"messages[{i}].tool_calls: tool calls are not supported by kvserve (no tools are "
+                               "served), and a template would render the turn without them; remove them",
+                               param=f"messages.{i}.tool_calls")
+        reserved = sorted(set(req.chat_template_kwargs or ()) & set(P.CHAT_TEMPLATE_RESERVED))
+        if reserved:
+            raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                           f"{'they are' if len(reserved) > 1 else 'it is'} an argument of the templating itself, "
+                           "not a template variable; use the request's own field where there is one "
+                           "(add_generation_prompt, continue_final_message) or drop it", param="chat_template_kwargs")
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(f"response_format {req.response_format.type!r} is not supported; only 'text'",
                            param="response_format")
