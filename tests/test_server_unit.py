@@ -233,8 +233,10 @@ def test_metrics_export_vllm_names_with_model_label():
     assert samples["vllm:request_prompt_tokens_sum" + label] == 40
     assert samples["vllm:request_generation_tokens_sum" + label] == 5
     for line in text.splitlines():
-        if line and not line.startswith("#"):
+        # every engine series is labelled; the process / runtime collectors' are not (as on vLLM)
+        if line and not line.startswith(("#", "process_", "python_")):
             assert 'model_name="my-model"' in line, line
+    assert "process_resident_memory_bytes" in text and "python_info" in text
 
 
 def test_inter_token_latency_from_streamed_outputs():

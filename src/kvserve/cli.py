@@ -27,7 +27,8 @@ _GROUPS = {
     "Scheduler": ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
                   "preemption_mode", "cache_aware_scheduling", "speculative_config"],
 }
-_CHOICES = {"dtype": DTYPES + tuple(DTYPE_ALIASES), "kv_cache_dtype": KV_CACHE_DTYPES, "scheduling_policy": SCHEDULING_POLICIES,
+_CHOICES = {"dtype": DTYPES + tuple(DTYPE_ALIASES), "kv_cache_dtype": KV_CACHE_DTYPES,
+            "scheduling_policy": SCHEDULING_POLICIES,
             "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda"),
             "attention_backend": ("auto", "torch", "triton"), "quantization": ("gguf", "none")}
 _HELP = {
