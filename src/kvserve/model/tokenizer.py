@@ -307,6 +307,20 @@ class Tokenizer:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# chat_template_kwargs are template variables; these names are the templating call's own arguments.
+CHAT_TEMPLATE_RESERVED = ("messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize",
+                          "tools", "documents", "chat_template", "return_dict", "return_tensors",
+                          "return_assistant_tokens_mask", "padding", "truncation", "max_length")
+
+
+def check_chat_template_kwargs(kwargs: dict | None) -> None:
+    """The server's chat_template_kwargs may only add template variables."""
+    reserved = sorted(set(kwargs or ()) & set(CHAT_TEMPLATE_RESERVED))
+    if reserved:
+        raise TokenizerError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                             f"{'they are' if len(reserved) > 1 else 'it is'} an argument of the templating itself, "
+                             "not a template variable; use the request's own field where there is one "
+                             "(add_generation_prompt, continue_final_message) or drop it")
 
 
 def chat_text_messages(messages: Any) -> list[dict[str, Any]]:

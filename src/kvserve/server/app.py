@@ -55,24 +55,27 @@ def lone_surrogate(body: bytes) -> str | None:
         doc = json.loads(body)
     except (ValueError, RecursionError):
         return None
+
+    def found(where: str, s: str) -> str | None:
+        bad = next((i for i, ch in enumerate(s) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+        if bad is None:
+            return None
+        return (f"{where} holds an unpaired UTF-16 surrogate (\\u{ord(s[bad]):04x} at character {bad}), which "
+                "is not Unicode text; send the character as a surrogate pair or drop it")
+
     stack: list[tuple[str, object]] = [("", doc)]
     while stack:  # iterative: a deeply nested body must not exhaust the recursion limit
         path, value = stack.pop()
         if isinstance(value, dict):
             for key, item in value.items():
-                name = key.encode("utf-8", "backslashreplace").decode()  # printable even if it is the culprit
-                child = f"{path}.{name}" if path else name
-                stack.append((f"a key of `{path}`" if path else "a key", key))
-                stack.append((child, item))
+                if message := found(f"a key of `{path}`" if path else "a key", key):
+                    return message
+                name = key.encode("utf-8", "backslashreplace").decode()
+                stack.append((f"{path}.{name}" if path else name, item))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
-        elif isinstance(value, str):
-            bad = next((i for i, ch in enumerate(value) if 0xD800 <= ord(ch) <= 0xDFFF), None)
-            if bad is not None:
-                where = path if path.startswith("a key") else f"`{path or 'request body'}`"
-                return (f"{where} holds an unpaired UTF-16 surrogate (\\u{ord(value[bad]):04x} at "
-                        f"character {bad}), which is not Unicode text; send the character as a surrogate pair "
-                        "or drop it")
+        elif isinstance(value, str) and (message := found(f"`{path or 'request body'}`", value)):
+            return message
     return None
 
 

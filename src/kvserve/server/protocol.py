@@ -116,10 +116,6 @@ COMPLETION_REFUSED = {
     "response_format": "structured output (JSON mode, JSON schema) is not implemented; only plain text is generated",
     **dict.fromkeys(("tools", "tool_choice"), "tool calling is not implemented"),
 }
-# chat_template_kwargs are template variables; these names are the templating call's own arguments.
-CHAT_TEMPLATE_RESERVED = ("messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize",
-                          "tools", "documents", "chat_template", "return_dict", "return_tensors",
-                          "return_assistant_tokens_mask", "padding", "truncation", "max_length")
 # (spaces_between_special_tokens and reasoning_effort change nothing for the fast tokenizers and
 # chat templates kvserve serves: unknown to it, they are logged and ignored, as vLLM ignores them.)
 

@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from kvserve.engine.async_engine import AsyncLLM, RequestStream
 from kvserve.engine.outputs import RequestError
 from kvserve.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from kvserve.model.tokenizer import TokenizerError
+from kvserve.model.tokenizer import TokenizerError, check_chat_template_kwargs
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
 
@@ -325,12 +325,10 @@ class OpenAIServing:
                 raise APIError(f"messages[{i}].tool_calls: tool calls are not supported by kvserve (no tools are "
                                "served), and a template would render the turn without them; remove them",
                                param=f"messages.{i}.tool_calls")
-        reserved = sorted(set(req.chat_template_kwargs or ()) & set(P.CHAT_TEMPLATE_RESERVED))
-        if reserved:
-            raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
-                           f"{'they are' if len(reserved) > 1 else 'it is'} an argument of the templating itself, "
-                           "not a template variable; use the request's own field where there is one "
-                           "(add_generation_prompt, continue_final_message) or drop it", param="chat_template_kwargs")
+        try:
+            check_chat_template_kwargs(req.chat_template_kwargs)
+        except TokenizerError as e:
+            raise APIError(str(e), param="chat_template_kwargs") from None
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(f"response_format {req.response_format.type!r} is not supported; only 'text'",
                            param="response_format")
