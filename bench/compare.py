@@ -244,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-peers", default="kvserve,vllm",
                     help="which peers --speculative-config applies to; the others run without it "
                          "(e.g. kvserve alone, against vLLM at its faster setting)")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="vLLM's --kv-cache-dtype (auto, fp8, fp8_e4m3, fp8_e5m2), given to kvserve and vLLM alike "
+                         "(llama.cpp is skipped with it); default: each system's own (auto: the model dtype)")
     ap.add_argument("--json", type=Path, default=None,
                     help="default bench/results/compare.json (bench/results/scaling.json with --scaling)")
     ap.add_argument("--scaling", action="store_true", help="kvserve alone: throughput vs batch size and context "
@@ -279,6 +282,12 @@ def main(argv=None) -> int:
                     raise PeerUnavailable("--speculative-config is passed to kvserve and vLLM only")
                 plan.options = {**plan.options, "engine": {"speculative_config": args.speculative_config}}
                 plan.note += f", speculative {json.dumps(args.speculative_config)}"
+            if args.kv_cache_dtype is not None:
+                if name == "llamacpp":
+                    raise PeerUnavailable("--kv-cache-dtype is passed to kvserve and vLLM only")
+                engine = {**plan.options.get("engine", {}), "kv_cache_dtype": args.kv_cache_dtype}
+                plan.options = {**plan.options, "engine": engine}
+                plan.note += f", KV cache {args.kv_cache_dtype}"
             print(f"[{name}] {plan.note}: running {len(workloads)} workload(s) x {args.repeat} ...", flush=True)
             t = time.perf_counter()
             results[name] = run_peer(plan, job, args.json.parent / "logs", args.timeout)

@@ -64,3 +64,43 @@ print(host_alloc._tuned)
                          timeout=300, cwd=str(Path(__file__).parent),
                          env={**os.environ, "KVSERVE_MALLOC_TUNING": "1", "OMP_NUM_THREADS": "1"})
     assert out.stdout.split()[-1] == "True", out.stdout + out.stderr
+
+
+def _smaps_entry(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding address ptr."""
+    entry, hit = {}, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            if hit:
+                break
+            a, b = (int(x, 16) for x in head.split("-"))
+            hit = a <= ptr < b
+        elif hit:
+            key, _, value = line.partition(":")
+            entry[key] = value.strip()
+    return entry
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux /proc only")
+def test_kv_pools_are_zeroed_mappings_advised_for_huge_pages(monkeypatch):
+    """zeros_huge_pages (the CPU KV caches' storage): zeros of the asked shape and dtype, in a
+    mapping marked MADV_HUGEPAGE (smaps "hg"), touched at allocation (its pages are resident, as
+    torch.zeros's would be); small tensors, KVSERVE_HUGE_PAGES=0 and other devices get torch.zeros."""
+    import torch
+
+    from kvserve.model.host_alloc import HUGE_PAGE, zeros_huge_pages
+
+    t = zeros_huge_pages(3, 2, 1000, 777, dtype=torch.bfloat16)
+    assert t.shape == (3, 2, 1000, 777) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    t[1, 1, 999, 776] = 5.0  # writable, and the last element is inside the mapping
+    assert float(t.float().sum()) == 5.0
+    smaps = _smaps_entry(t.data_ptr())
+    if "VmFlags" in smaps and Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        assert "hg" in smaps["VmFlags"].split()
+    assert int(smaps["Rss"].split()[0]) * 1024 >= t.numel() * t.element_size() - HUGE_PAGE
+    assert not zeros_huge_pages(10, dtype=torch.float32).any()  # under one huge page: torch.zeros
+    monkeypatch.setenv("KVSERVE_HUGE_PAGES", "0")
+    plain = zeros_huge_pages(4 << 20, dtype=torch.uint8)
+    assert "hg" not in _smaps_entry(plain.data_ptr()).get("VmFlags", "").split()

@@ -1,4 +1,5 @@
-"""Decode attention over a quantized cache's codes in place (csrc/decode_quantized.cpp).
+"""Decode attention over a quantized cache's codes in place (csrc/decode_quantized.cpp; fp8 e4m3 on
+AMX tiles where the CPU has them, csrc/decode_fp8_amx.h).
 
 A decode-only step over an int8, int4 or fp8 cache is not staged: the kernel folds the key scales into the
 query, the value scales into the probabilities, and reads the codes. Checked here: its output
@@ -21,7 +22,7 @@ import torch
 
 from kvserve.model.attention import torch_backend
 from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.attention.cpu_kernel import quantized_decode_kernel_for
+from kvserve.model.attention.cpu_kernel import quantized_decode_kernel_for, quantized_decode_tiles_enabled
 from kvserve.model.attention.torch_backend import TorchAttentionBackend
 
 from test_cpu_decode_kernel import _reference_float64, assert_same_greedy_up_to_near_ties
@@ -30,6 +31,26 @@ from test_kv_staging import fill_history, make_cache
 codes_kernel = pytest.mark.skipif(
     quantized_decode_kernel_for(64, torch.device("cpu")) is None,
     reason="no AVX512-BF16 (or no compiler): quantized caches are staged or go through SDPA")
+fp8_tiles = pytest.mark.skipif(not quantized_decode_tiles_enabled(),
+                               reason="no AMX: fp8 codes are read by the float32 kernel")
+
+
+def assert_codes_output_close(got, exact, tiles: bool):
+    """The codes kernels' output against float64 over the exactly dequantized cache. The float32
+    kernel (every format): within the bf16 output's rounding (half an ulp, 2^-9 relative; |ref|
+    stays below ~2 here). fp8 on AMX tiles rounds the probabilities to bf16 before P.V, as the bf16
+    kernels do (2^-9 relative each: up to ~0.009 for |v| <= 4.5) and then the output: atol 1.5e-2,
+    the bf16 kernels' tolerance (test_cpu_decode_kernel.py)."""
+    err = (got - exact).abs()
+    if tiles:
+        assert float(err.max()) <= 1.5e-2, float(err.max())
+    else:
+        assert float((err - exact.abs() * 2 ** -8).max()) <= 1e-4, float(err.max())
+
+
+def on_tiles(variant: str, head_dim: int = 64) -> bool:
+    """Whether decode_step's cache of `variant` is read on AMX tiles here (e4m3, head_dim 64)."""
+    return variant.startswith("fp8") and "e5m2" not in variant and head_dim == 64 and quantized_decode_tiles_enabled()
 
 
 def decode_step(variant, seq_lens, heads=9, kv_heads=3, head_dim=64, bs=16, residual_blocks=None, share=False,
@@ -107,7 +128,9 @@ def float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim):
     ("int8", [70, 2, 129], 3, 1, 128, 16, None, False),
 ])
 def test_decode_over_codes_matches_float64_over_the_dequantized_cache(
-        variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share):
+        variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share, monkeypatch):
+    # The float32 kernel for every format; fp8 on AMX tiles has its own test below.
+    monkeypatch.setenv("KVSERVE_AMX_ATTENTION", "0")
     cache, meta, q, k, v = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share)
     # No cascade: decodes sharing a prefix would be staged (test_shared_prefix_groups_...).
     backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=False)
@@ -199,8 +222,7 @@ def test_mixed_steps_attend_decodes_over_codes_and_stage_only_the_prompts(varian
     assert staged_seqs == meta.prefill_seq_ids == [1, 3, 5, 6]
     dec = meta.decode_token_ids
     exact = float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim)
-    err = (got[dec] - exact[dec]).abs()
-    assert float((err - exact[dec].abs() * 2 ** -8).max()) <= 1e-4, float(err.max())
+    assert_codes_output_close(got[dec], exact[dec], on_tiles(variant))
     pre = torch.tensor([r for i in meta.prefill_seq_ids for r in range(meta.query_start_loc[i], meta.query_start_loc[i + 1])])
     ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
     torch.testing.assert_close(got[pre], ref[pre], atol=1.5e-2, rtol=0)
@@ -229,16 +251,17 @@ def test_decodes_sharing_a_prefix_are_staged_for_cascade_and_the_rest_go_over_co
     rows = {"codes": torch.tensor([meta.query_start_loc[i] for i in on_codes]),
             "staged": torch.tensor([meta.query_start_loc[i] for i in staged])}
     exact = float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim)
-    err = (got[rows["codes"]] - exact[rows["codes"]]).abs()
-    assert float((err - exact[rows["codes"]].abs() * 2 ** -8).max()) <= 1e-4, float(err.max())
+    assert_codes_output_close(got[rows["codes"]], exact[rows["codes"]], on_tiles(variant))
     ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
     torch.testing.assert_close(got[rows["staged"]], ref[rows["staged"]], atol=1.5e-2, rtol=0)
 
 
 @codes_kernel
-def test_fp8_codes_are_staged_while_denormals_are_flushed():
-    """The e4m3 codes reach float32 through denormals; with flush-to-zero on (MXCSR.DAZ) the step
-    is staged instead, and the next step without it goes over the codes again."""
+def test_fp8_codes_are_staged_while_denormals_are_flushed(monkeypatch):
+    """The float32 kernel's e4m3 codes reach float32 through denormals; with flush-to-zero on
+    (MXCSR.DAZ) the step is staged instead, and the next step without it goes over the codes
+    again. (The AMX path converts codes to bf16 by integer shifts and is not affected: below.)"""
+    monkeypatch.setenv("KVSERVE_AMX_ATTENTION", "0")
     heads, kv_heads, head_dim = 9, 3, 64
     backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
     assert torch.set_flush_denormal(True)
@@ -253,6 +276,62 @@ def test_fp8_codes_are_staged_while_denormals_are_flushed():
     cache, meta, q, k, v = decode_step("fp8", [5, 40, 77])
     backend.forward(1, q, k, v, cache, meta)
     assert "codes_split" in meta.backend_state and "staged" not in meta.backend_state
+
+
+FP8_TILE_CASES = [  # (variant, seq_lens, heads, kv_heads, bs, residual_blocks, share)
+    ("fp8", [1, 15, 16, 17, 300, 40, 64, 33], 9, 3, 16, 9, False),  # open, evicted and re-opened blocks
+    ("fp8", [1, 15, 16, 17, 300, 40, 64, 33], 9, 3, 16, None, False),
+    ("fp8", [40, 100, 200, 31, 64], 12, 3, 32, None, False),  # two 16-key halves per block, 12 rows
+    ("fp8", [3000], 9, 3, 16, None, False),  # one long sequence: spans merged; several mean groups
+    ("fp8", [70, 2, 129, 33], 16, 1, 16, None, False),  # 16 query rows, one K/V head
+    ("fp8 tensor", [200, 180, 230, 190], 6, 6, 16, None, True),  # one scale per block, no GQA
+    ("fp8 uncentered", [2500, 7, 1200], 4, 2, 16, None, False),  # no key means
+]
+
+
+@codes_kernel
+@fp8_tiles
+@pytest.mark.parametrize("variant,seq_lens,heads,kv_heads,bs,residual_blocks,share", FP8_TILE_CASES)
+def test_fp8_decode_on_amx_tiles_matches_float64(variant, seq_lens, heads, kv_heads, bs, residual_blocks, share,
+                                                 monkeypatch):
+    """e4m3 codes read on AMX tiles (csrc/decode_fp8_amx.h): the codes become bf16 exactly, the
+    key means and scales are folded as in the float32 kernel. Against float64 over the exactly
+    dequantized cache within the bf16 kernels' tolerance, closer on average than staging (which
+    rounds every dequantized value to bf16), and not the float32 kernel's output (the path ran)."""
+    head_dim = 64
+    outs = {}
+    for tiles in ("1", "0"):
+        monkeypatch.setenv("KVSERVE_AMX_ATTENTION", tiles)
+        cache, meta, q, k, v = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share)
+        backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=False)
+        outs[tiles] = backend.forward(1, q, k, v, cache, meta).double()
+        assert "codes_split" in meta.backend_state and "staged" not in meta.backend_state
+    got = outs["1"]
+    assert not torch.equal(got, outs["0"])
+    assert not torch.isnan(got).any()
+    ref = float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim)
+    assert_codes_output_close(got, ref, tiles=True)
+    cache2, meta2, q2, k2, v2 = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share)
+    staged = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, decode_on_codes=False)
+    other = staged.forward(1, q2, k2, v2, cache2, meta2).double()
+    assert float((got - ref).abs().mean()) < float((other - ref).abs().mean())
+
+
+@codes_kernel
+@fp8_tiles
+def test_fp8_tiles_read_the_codes_while_denormals_are_flushed():
+    """The tiles path never does float32 arithmetic on a code, so flush-to-zero does not send the
+    step to staging."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    cache, meta, q, k, v = decode_step("fp8", [5, 40, 77])
+    assert torch.set_flush_denormal(True)
+    try:
+        got = backend.forward(1, q, k, v, cache, meta).double()
+    finally:
+        torch.set_flush_denormal(False)
+    assert "codes_split" in meta.backend_state and "staged" not in meta.backend_state
+    assert_codes_output_close(got, float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim), tiles=True)
 
 
 @codes_kernel

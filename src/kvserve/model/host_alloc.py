@@ -17,7 +17,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
 import os
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +61,33 @@ def tune_malloc_for_inference() -> bool:
         log.warning("glibc refused the malloc settings for inference; large activations will be "
                     "page-faulted afresh every step (expect slower CPU prefill)")
     return _tuned
+
+
+HUGE_PAGE = 2 << 20
+
+
+def zeros_huge_pages(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.zeros, but on CPU backed by a mapping asked to come in 2 MiB pages (madvise
+    MADV_HUGEPAGE: transparent huge pages are "madvise" on most distributions, so nothing gets
+    them unasked). Why: decode attention reads each sequence's blocks, scattered over a pool of
+    GBs; with 4 KiB pages nearly every block is a TLB miss and a page walk whose table entries
+    are themselves cache misses. Falls back to torch.zeros on other devices, when the platform
+    has no madvise, or with KVSERVE_HUGE_PAGES=0."""
+    device = torch.device(device)
+    if (device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE")
+            or os.environ.get("KVSERVE_HUGE_PAGES", "1").lower() in ("0", "false", "no", "off")):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    # Anonymous mappings come zeroed, and the tensor keeps the mapping alive (frombuffer).
+    buf = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as e:  # a kernel without THP: ordinary pages
+        log.debug("madvise(MADV_HUGEPAGE) failed (%s): KV cache in 4 KiB pages", e)
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+    # Touched now, as torch.zeros would: the pages (and their zeroing) are taken at start-up,
+    # not faulted in by whichever step first writes a block.
+    flat.zero_()
+    return flat.view(dtype).view(*shape)

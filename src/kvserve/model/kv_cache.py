@@ -32,6 +32,7 @@ import torch
 
 from kvserve.config import KV_CACHE_DTYPES, ConfigError, ModelConfig
 from kvserve.engine.scheduler_output import BlockCopy
+from kvserve.model.host_alloc import zeros_huge_pages
 
 # Module that holds the quantized caches; imported on first request for a non-"auto" dtype so
 # that it can register itself without this file naming its classes.
@@ -134,8 +135,8 @@ class PagedKVCache(KVCache):
         self.layout = layout
         # zeros, not empty: padded gathers read unused blocks and must not meet NaN bit patterns
         # (0 * NaN in the masked softmax·V product would poison the output).
-        self.kv = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
-                              self.head_dim, dtype=dtype, device=self.device)
+        self.kv = zeros_huge_pages(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
+                                   self.head_dim, dtype=dtype, device=self.device)
         # [layers, 2, slots, H, D] view for slot-addressed writes and copies.
         self._slots = self.kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads,
                                    self.head_dim)

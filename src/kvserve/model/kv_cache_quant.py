@@ -33,6 +33,7 @@ import torch
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.engine.scheduler_output import BlockCopy
+from kvserve.model.host_alloc import zeros_huge_pages
 from kvserve.kv import quant
 from kvserve.model.kv_cache import KVCache, _copy_slot_indices
 from kvserve.model.kv_write_plan import Placement, WritePlan, plan_write
@@ -148,8 +149,8 @@ class QuantizedKVCache(KVCache):
         self._row_write = None  # the compiled residual write (CPU), looked up on first use
 
     def _add_field(self, name: str, per_block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.fields[name] = torch.zeros(self.num_layers, self.num_blocks, *per_block_shape,
-                                        dtype=dtype, device=self.device)
+        self.fields[name] = zeros_huge_pages(self.num_layers, self.num_blocks, *per_block_shape,
+                                             dtype=dtype, device=self.device)
 
     # -- what each format implements --
 

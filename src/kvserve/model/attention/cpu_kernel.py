@@ -54,7 +54,7 @@ _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC /
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC.parents[1] / "csrc" / "bf16_vec.h",
             CSRC.parents[1] / "csrc" / "gemm_epilogue.h", CSRC.parents[1] / "csrc" / "amx.h",
             CSRC.parents[1] / "csrc" / "weight_tiles.h", CSRC / "attend_amx.h",
-            CSRC / "quant_fields.h")
+            CSRC / "quant_fields.h", CSRC / "decode_fp8_amx.h")
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _HEAD_DIMS = (64, 128)  # unrolled instances; others up to _MAX_HEAD_DIM use the generic one
@@ -183,6 +183,7 @@ def load_library() -> ctypes.CDLL | None:
             lib.stage_quantized_pairs.argtypes = _STAGE_ARGTYPES
             lib.stage_quantized_pairs.restype = None
             lib.stage_quantized_available.restype = ctypes.c_int
+            lib.decode_quantized_tiles_enabled.restype = ctypes.c_int
             lib.residual_write_rows.argtypes = _RESIDUAL_WRITE_ARGTYPES
             lib.residual_write_rows.restype = ctypes.c_int
             lib.quantize_int_blocks.argtypes = _QUANT_INT_ARGTYPES
@@ -273,6 +274,13 @@ def quantized_decode_kernel_for(head_dim: int, device: torch.device):
     if lib is None or not lib.stage_quantized_available():
         return None
     return getattr(lib, f"decode_quantized_d{head_dim}")
+
+
+def quantized_decode_tiles_enabled() -> bool:
+    """Whether the codes kernel reads fp8 (e4m3) caches of head_dim 64 on AMX tiles
+    (csrc/decode_fp8_amx.h) on this CPU now; KVSERVE_AMX_ATTENTION=0 turns it off."""
+    lib = load_library()
+    return lib is not None and bool(lib.decode_quantized_tiles_enabled())
 
 
 def elementwise_kernels():

@@ -39,6 +39,11 @@
 #if defined(KVS_HAVE_QUANT_FIELDS) && defined(__AVX512BF16__)
 #include "../../csrc/avx512_exp.h"
 #define KVS_HAVE_QDECODE 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512VBMI__)
+#include <stdlib.h>
+#include "../../csrc/amx.h"
+#define KVS_HAVE_QDECODE_AMX 1
+#endif
 
 namespace {
 
@@ -407,16 +412,115 @@ bool supported(const QField& f, bool key, int bs) {
     return bs % SPAN == 0;
 }
 
+// Merges the spans of split sequence i, K/V head h (nothing when it has one): each rescaled to the
+// common max and added. Span j's row r of the head is states / accs [(first_part[i] + h * k + j) *
+// g + r] for its k spans. out_row: the sequence's output row; sum: DH floats of scratch.
+template <int DH>
+void merge_spans(int i, int h, int g, int hkv, const int64_t* first_part, const SpanState* states, const float* accs,
+                 uint16_t* out_row, float* sum) {
+    const int64_t k = (first_part[i + 1] - first_part[i]) / hkv;
+    if (k == 0) return;
+    const int64_t p0 = first_part[i] + h * k;
+    uint16_t* o = out_row + (int64_t)h * g * DH;
+    for (int r = 0; r < g; ++r) {
+        float mx = -INFINITY, l = 0.f;
+        for (int64_t j = 0; j < k; ++j) mx = std::max(mx, states[(size_t)(p0 + j) * g + r].m);
+        memset(sum, 0, sizeof(float) * DH);
+        for (int64_t j = 0; j < k; ++j) {
+            const SpanState& s = states[(size_t)(p0 + j) * g + r];  // spans hold >= 1 block: l > 0
+            const float f = expf(s.m - mx);
+            l += s.l * f;
+            const float* a = &accs[((size_t)(p0 + j) * g + r) * DH];
+            for (int d = 0; d < DH; d += 16)
+                _mm512_storeu_ps(sum + d, _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(f), _mm512_loadu_ps(sum + d)));
+        }
+        store_bf16(o + (int64_t)r * DH, sum, 1.f / l, DH);
+    }
+}
+
 struct Item {
     int32_t seq, head;
     int64_t b0, b1;
     int64_t part;  // index into the saved states (-1: the sequence's only span, written directly)
 };
 
+#include "decode_fp8_amx.h"  // fp8amx::attend: e4m3 codes on AMX tiles
+
+#ifdef KVS_HAVE_QDECODE_AMX
+inline bool tiles_enabled() {
+    const char* env = getenv("KVSERVE_AMX_ATTENTION");  // "0": the float32 kernel (tests, comparisons)
+    return amx::permitted() && !(env && env[0] == '0');
+}
+
+// decode() for the layouts fp8amx::readable accepts: one work item per (sequence, span of
+// blocks) with all of its query heads, the spans merged as decode() merges its own.
+template <int DH>
+int decode_tiles(const QField* kf, const QField* vf, const uint16_t* res, const int64_t* block_res, const uint16_t* q,
+                 uint16_t* out, const int64_t* qrow, int64_t q_stride, int64_t out_stride, const int64_t* tables,
+                 int64_t bt_stride, const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale) {
+    static_assert(DH == fp8amx::DH, "the tiles hold head_dim 64");
+    const int g = hq / hkv;
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += (seq_lens[i] + bs - 1) / bs;
+    // Spans: enough items for both cores even at batch 1, none shorter than 8 blocks (as decode()).
+    const int64_t target = std::max<int64_t>(8, (total + 8 * omp_get_max_threads() - 1) / (8 * omp_get_max_threads()));
+    std::vector<fp8amx::Item> items;
+    std::vector<int64_t> first_part(n + 1, 0);
+    int64_t parts = 0;
+    for (int i = 0; i < n; ++i) {
+        const int64_t nb = (seq_lens[i] + bs - 1) / bs;
+        const int64_t k = std::max<int64_t>(1, (nb + target - 1) / target);
+        first_part[i] = parts;
+        for (int64_t j = 0; j < k; ++j) items.push_back({i, nb * j / k, nb * (j + 1) / k, k > 1 ? j : -1});
+        if (k > 1) parts += hkv * k;
+    }
+    first_part[n] = parts;
+    std::vector<SpanState> states((size_t)parts * g);
+    std::vector<float> accs((size_t)parts * g * DH);
+    static const fp8amx::Perms perms;
+    #pragma omp parallel
+    {
+        // Kept per thread: ~200 KB, which malloc would map and unmap (page faults, TLB
+        // shootdowns) on every call.
+        static thread_local fp8amx::Scratch* w = (fp8amx::Scratch*)aligned_alloc(64, sizeof(fp8amx::Scratch));
+        fp8amx::configure();
+        alignas(64) float m[16], l[16], acc[16 * DH];
+        #pragma omp for schedule(dynamic, 1)
+        for (size_t x = 0; x < items.size(); ++x) {
+            const fp8amx::Item it = items[x];
+            fp8amx::attend(*kf, *vf, res, block_res, q + qrow[it.seq] * q_stride, scale, tables + it.seq * bt_stride,
+                           it.b0, it.b1, seq_lens[it.seq], hq, hkv, bs, *w, perms, m, l, acc);
+            if (it.part < 0) {
+                for (int r = 0; r < hq; ++r)
+                    store_bf16(out + qrow[it.seq] * out_stride + (int64_t)r * DH, acc + r * DH, 1.f / l[r], DH);
+                continue;
+            }
+            const int64_t k = (first_part[it.seq + 1] - first_part[it.seq]) / hkv;
+            for (int r = 0; r < hq; ++r) {
+                const size_t slot = (size_t)(first_part[it.seq] + (r / g) * k + it.part) * g + r % g;
+                states[slot] = {m[r], l[r]};
+                memcpy(&accs[slot * DH], acc + r * DH, sizeof(float) * DH);
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int64_t x = 0; x < (int64_t)n * hkv; ++x)
+            merge_spans<DH>((int)(x / hkv), (int)(x % hkv), g, hkv, first_part.data(), states.data(), accs.data(),
+                            out + qrow[x / hkv] * out_stride, acc);
+    }
+    return 0;
+}
+#endif
+
 template <int DH>
 int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_t* block_res, const uint16_t* q,
            uint16_t* out, const int64_t* qrow, int64_t q_stride, int64_t out_stride, const int64_t* tables,
            int64_t bt_stride, const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale) {
+#ifdef KVS_HAVE_QDECODE_AMX
+    if constexpr (DH == fp8amx::DH)
+        if (tiles_enabled() && fp8amx::readable(*kf, *vf, hq, hkv, bs))
+            return decode_tiles<DH>(kf, vf, res, block_res, q, out, qrow, q_stride, out_stride, tables, bt_stride,
+                                    seq_lens, n, hq, hkv, bs, scale);
+#endif
     if (!supported(*kf, true, bs) || !supported(*vf, false, bs) || kf->code_kind != vf->code_kind || hq % hkv)
         return 1;
     if (kf->code_kind == 2) {  // e4m3_top needs denormals read as they are, in every thread (MXCSR is per thread)
@@ -470,31 +574,10 @@ int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_
             uint16_t* o = out + qrow[it.seq] * out_stride + (int64_t)it.head * g * DH;
             for (int r = 0; r < g; ++r) store_bf16(o + (int64_t)r * DH, ap + (int64_t)r * DH, 1.f / sp[r].l, DH);
         }
-        // Merge the spans of split sequences: rescale each to the common max and add.
         #pragma omp for schedule(static)
-        for (int64_t w = 0; w < (int64_t)n * hkv; ++w) {
-            const int i = (int)(w / hkv), h = (int)(w % hkv);
-            const int64_t k = (first_part[i + 1] - first_part[i]) / hkv;
-            if (k == 0) continue;
-            const int64_t p0 = first_part[i] + h * k;
-            uint16_t* o = out + qrow[i] * out_stride + (int64_t)h * g * DH;
-            for (int r = 0; r < g; ++r) {
-                float mx = -INFINITY, l = 0.f;
-                for (int64_t j = 0; j < k; ++j) mx = std::max(mx, states[(size_t)(p0 + j) * g + r].m);
-                float* sum = acc.data();
-                memset(sum, 0, sizeof(float) * DH);
-                for (int64_t j = 0; j < k; ++j) {
-                    const SpanState& s = states[(size_t)(p0 + j) * g + r];  // spans hold >= 1 block: l > 0
-                    const float f = expf(s.m - mx);
-                    l += s.l * f;
-                    const float* a = &accs[((size_t)(p0 + j) * g + r) * DH];
-                    for (int d = 0; d < DH; d += 16)
-                        _mm512_storeu_ps(sum + d, _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(f),
-                                                                  _mm512_loadu_ps(sum + d)));
-                }
-                store_bf16(o + (int64_t)r * DH, sum, 1.f / l, DH);
-            }
-        }
+        for (int64_t w = 0; w < (int64_t)n * hkv; ++w)
+            merge_spans<DH>((int)(w / hkv), (int)(w % hkv), g, hkv, first_part.data(), states.data(), accs.data(),
+                            out + qrow[w / hkv] * out_stride, acc.data());
     }
     return 0;
 }
@@ -507,6 +590,16 @@ int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_
 // Returns 0 when done, 1 when this layout is not one the kernel reads, 2 when it cannot run now
 // (e4m3 codes while a thread flushes denormals), -1 when the build has no kernel (no AVX512-BF16);
 // nothing is written unless it returns 0, so the caller stages instead.
+// 1 when decode_quantized_d64 reads this CPU's fp8 (e4m3) caches on AMX tiles (decode_fp8_amx.h):
+// compiled in, the process may use the tiles, and KVSERVE_AMX_ATTENTION is not "0".
+extern "C" int decode_quantized_tiles_enabled() {
+#ifdef KVS_HAVE_QDECODE_AMX
+    return tiles_enabled() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 #define KVS_QDECODE(DH)                                                                                              \
     extern "C" int decode_quantized_d##DH(const QField* kf, const QField* vf, const uint16_t* res,                  \
                                           const int64_t* block_res, const uint16_t* q, uint16_t* out,               \
