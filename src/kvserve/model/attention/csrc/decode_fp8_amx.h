@@ -144,12 +144,10 @@ inline void attend(const QField& kf, const QField& vf, const uint16_t* res, cons
     int64_t group = -1;  // first block of the mean group in w.cm
     for (int64_t kp0 = key_begin; kp0 < key_end; kp0 += CH) {
         float mult[2][16], add[2][16], vmul[2][16];  // per half and head: S' -> base-2 logits; p -> p'
-        int nvalid[2];
-        __mmask16 valid[2];
+        __mmask16 valid[2];  // the keys of each half before key_end (none past it)
         for (int half = 0; half < 2; ++half) {
             const int64_t p0 = kp0 + 16 * half;
             const int n = (int)std::max<int64_t>(0, std::min<int64_t>(16, key_end - p0));
-            nvalid[half] = n;
             valid[half] = (__mmask16)((1u << n) - 1);
             if (n == 0) {  // past the end: zero V (0 * garbage could be NaN), scores masked below
                 for (int h = 0; h < hkv; ++h) memset(w.v[h][8 * half], 0, sizeof(uint16_t) * 8 * DH * 2);
@@ -250,14 +248,14 @@ inline void attend(const QField& kf, const QField& vf, const uint16_t* res, cons
         for (int h = 0; h < hkv; ++h)
             for (int dh = 0; dh < 2; ++dh) {
                 _tile_loadd(2, w.qt[h][dh], 64);
-                if (nvalid[0]) { _tile_loadd(1, w.k[0][h] + 32 * dh, DH * 2); _tile_dpbf16ps(0, 1, 2); }
-                if (nvalid[1]) { _tile_loadd(1, w.k[1][h] + 32 * dh, DH * 2); _tile_dpbf16ps(3, 1, 2); }
+                if (valid[0]) { _tile_loadd(1, w.k[0][h] + 32 * dh, DH * 2); _tile_dpbf16ps(0, 1, 2); }
+                if (valid[1]) { _tile_loadd(1, w.k[1][h] + 32 * dh, DH * 2); _tile_dpbf16ps(3, 1, 2); }
             }
         _tile_stored(0, w.st[0], 64);
         _tile_stored(3, w.st[1], 64);
         __m512 sv[16][2];
         for (int half = 0; half < 2; ++half) {
-            if (nvalid[half] == 0) {
+            if (valid[half] == 0) {
                 for (int r = 0; r < hq; ++r) sv[r][half] = _mm512_set1_ps(-INFINITY);
                 continue;
             }

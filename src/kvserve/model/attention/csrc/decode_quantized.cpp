@@ -438,6 +438,31 @@ void merge_spans(int i, int h, int g, int hkv, const int64_t* first_part, const 
     }
 }
 
+// How a step's sequences are cut into spans of blocks: enough work items for every thread even at
+// batch 1, none shorter than 8 blocks. `per_span`: work items per span (decode(): one per K/V
+// head; decode_tiles(): one for all heads). spans[i] = sequence i's span count k; its saved states
+// start at first_part[i] (hkv * k of them when k > 1, none otherwise); first_part[n] is their total.
+struct SpanPlan {
+    std::vector<int64_t> spans, first_part;
+};
+
+SpanPlan plan_spans(const int64_t* seq_lens, int n, int bs, int hkv, int per_span) {
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += (seq_lens[i] + bs - 1) / bs;
+    const int64_t t = 8 * omp_get_max_threads();
+    const int64_t target = std::max<int64_t>(8, (total * per_span + t - 1) / t);
+    SpanPlan sp{std::vector<int64_t>(n), std::vector<int64_t>(n + 1, 0)};
+    int64_t parts = 0;
+    for (int i = 0; i < n; ++i) {
+        const int64_t nb = (seq_lens[i] + bs - 1) / bs;
+        sp.spans[i] = std::max<int64_t>(1, (nb + target - 1) / target);
+        sp.first_part[i] = parts;
+        if (sp.spans[i] > 1) parts += hkv * sp.spans[i];
+    }
+    sp.first_part[n] = parts;
+    return sp;
+}
+
 struct Item {
     int32_t seq, head;
     int64_t b0, b1;
@@ -460,21 +485,14 @@ int decode_tiles(const QField* kf, const QField* vf, const uint16_t* res, const 
                  int64_t bt_stride, const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale) {
     static_assert(DH == fp8amx::DH, "the tiles hold head_dim 64");
     const int g = hq / hkv;
-    int64_t total = 0;
-    for (int i = 0; i < n; ++i) total += (seq_lens[i] + bs - 1) / bs;
-    // Spans: enough items for both cores even at batch 1, none shorter than 8 blocks (as decode()).
-    const int64_t target = std::max<int64_t>(8, (total + 8 * omp_get_max_threads() - 1) / (8 * omp_get_max_threads()));
+    const SpanPlan plan = plan_spans(seq_lens, n, bs, hkv, 1);
+    const std::vector<int64_t>& first_part = plan.first_part;
+    const int64_t parts = first_part[n];
     std::vector<fp8amx::Item> items;
-    std::vector<int64_t> first_part(n + 1, 0);
-    int64_t parts = 0;
     for (int i = 0; i < n; ++i) {
-        const int64_t nb = (seq_lens[i] + bs - 1) / bs;
-        const int64_t k = std::max<int64_t>(1, (nb + target - 1) / target);
-        first_part[i] = parts;
+        const int64_t nb = (seq_lens[i] + bs - 1) / bs, k = plan.spans[i];
         for (int64_t j = 0; j < k; ++j) items.push_back({i, nb * j / k, nb * (j + 1) / k, k > 1 ? j : -1});
-        if (k > 1) parts += hkv * k;
     }
-    first_part[n] = parts;
     std::vector<SpanState> states((size_t)parts * g);
     std::vector<float> accs((size_t)parts * g * DH);
     static const fp8amx::Perms perms;
@@ -494,7 +512,7 @@ int decode_tiles(const QField* kf, const QField* vf, const uint16_t* res, const 
                     store_bf16(out + qrow[it.seq] * out_stride + (int64_t)r * DH, acc + r * DH, 1.f / l[r], DH);
                 continue;
             }
-            const int64_t k = (first_part[it.seq + 1] - first_part[it.seq]) / hkv;
+            const int64_t k = plan.spans[it.seq];
             for (int r = 0; r < hq; ++r) {
                 const size_t slot = (size_t)(first_part[it.seq] + (r / g) * k + it.part) * g + r % g;
                 states[slot] = {m[r], l[r]};
@@ -530,23 +548,16 @@ int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_
     }
     const int g = hq / hkv;
     const ValueChunks vch = value_chunks(*vf, DH);
-    // Spans: enough items for both cores even at batch 1, but none shorter than 8 blocks.
-    int64_t total = 0;
-    for (int i = 0; i < n; ++i) total += (seq_lens[i] + bs - 1) / bs;
-    const int64_t target = std::max<int64_t>(8, (total * hkv + 8 * omp_get_max_threads() - 1) / (8 * omp_get_max_threads()));
+    const SpanPlan plan = plan_spans(seq_lens, n, bs, hkv, hkv);
+    const std::vector<int64_t>& first_part = plan.first_part;
+    const int64_t parts = first_part[n];
     std::vector<Item> items;
-    std::vector<int64_t> first_part(n + 1, 0);
-    int64_t parts = 0;
     for (int i = 0; i < n; ++i) {
-        const int64_t nb = (seq_lens[i] + bs - 1) / bs;
-        const int64_t k = std::max<int64_t>(1, (nb + target - 1) / target);
-        first_part[i] = parts;
+        const int64_t nb = (seq_lens[i] + bs - 1) / bs, k = plan.spans[i];
         for (int h = 0; h < hkv; ++h)
             for (int64_t j = 0; j < k; ++j)
-                items.push_back({i, h, nb * j / k, nb * (j + 1) / k, k > 1 ? parts + h * k + j : -1});
-        if (k > 1) parts += hkv * k;
+                items.push_back({i, h, nb * j / k, nb * (j + 1) / k, k > 1 ? first_part[i] + h * k + j : -1});
     }
-    first_part[n] = parts;
     std::vector<SpanState> states((size_t)parts * g);
     std::vector<float> accs((size_t)parts * g * DH);
     #pragma omp parallel
