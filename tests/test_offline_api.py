@@ -38,6 +38,15 @@ def test_vllm_arguments_refused_with_the_reason(path):
         LLM(str(path), quantization="awq")
     with pytest.raises(TypeError, match=r"unknown engine arguments \['no_such_thing'\]"):
         LLM(str(path), no_such_thing=1)
+    with pytest.raises(TypeError, match="both kv_cache_memory and kv_cache_memory_bytes"):
+        LLM(str(path), kv_cache_memory=2**24, kv_cache_memory_bytes=2**24)
+
+
+def test_vllm_launch_arguments_map_or_are_accepted(path):
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=2**22, max_model_len=64, download_dir="/models",
+              compilation_config={"level": 3}, optimization_level=3)
+    assert llm.llm_engine.args.kv_cache_memory == 2**22
+    assert llm.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids
 
 
 def test_logprobs_have_vllms_shape(llm):

@@ -13,6 +13,7 @@ from server_util import shared_server, start_server, wait_until
 pytestmark = pytest.mark.slow
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 SHARED_KEY = "key-shared"
+SECOND_KEY = "key-second"  # given after the same --api-key, as vLLM takes a list
 NUM_BLOCKS = 40  # 640 token slots: enough for one 256-token request, too few for six at once
 
 
@@ -21,7 +22,8 @@ def server(request, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
     return shared_server(request, "--max-model-len", "256", "--num-gpu-blocks-override", str(NUM_BLOCKS),
-                         "--api-keys-file", str(keys_file), "--api-key", SHARED_KEY, "--disable-log-stats")
+                         "--api-keys-file", str(keys_file), "--api-key", SHARED_KEY, SECOND_KEY,
+                         "--disable-log-stats", "--disable-fastapi-docs")
 
 
 def auth(key):
@@ -107,6 +109,20 @@ def test_preemptions_counted_under_tiny_kv_budget(server):
     assert all(r.json()["usage"]["completion_tokens"] == 100 for r in results)  # preempted ones still finish
     assert server.metric("vllm:num_preemptions_total") > before
     wait_until(lambda: server.metric("kvserve:kv_blocks_used") == 0, 10, what="blocks freed")
+
+
+def test_every_key_after_one_api_key_flag_is_accepted(server):
+    body = {"prompt": "Hi", "max_tokens": 1}
+    for key in (SHARED_KEY, SECOND_KEY):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(key), timeout=60)
+        assert r.status_code == 200, r.text
+    assert httpx.post(f"{server.url}/v1/completions", json=body, headers=auth("key-other"), timeout=60).status_code == 401
+
+
+def test_disable_fastapi_docs_removes_the_schema_and_docs_pages(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{server.url}{path}", headers=auth(SHARED_KEY), timeout=30).status_code == 404, path
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
 def test_vllm_api_key_env_turns_auth_on():

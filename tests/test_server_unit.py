@@ -73,6 +73,53 @@ def test_tensor_parallel_size_one_is_accepted():
     assert engine_args_from(ns) == _validated(EngineArgs())
 
 
+@pytest.mark.parametrize("value, expected", [
+    ("2048", 2048), ("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600), ("1m", 1_000_000), ("1M", 1024**2),
+])
+def test_integer_flags_take_vllms_suffixes(value, expected):
+    args = engine_args_from(parse("serve", "--max-model-len", value, "--max-num-batched-tokens", value))
+    assert args.max_model_len == expected and args.max_num_batched_tokens == expected
+
+
+def test_max_model_len_auto_means_the_models_own():
+    assert engine_args_from(parse("serve", "--max-model-len", "auto")).max_model_len is None
+    assert engine_args_from(parse("serve", "--max-model-len", "-1")).max_model_len is None
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-model-len", "1.5K"], "did you mean 1.5k"),
+    (["--max-model-len", "lots"], "32k = 32,000, 32K = 32,768"),
+    (["--kv-cache-memory-bytes", "4GiB"], "cannot parse '4GiB'"),
+])
+def test_bad_suffixed_integers_are_refused_with_the_convention(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        parse("serve", *argv)
+    assert needle in capsys.readouterr().err
+
+
+def test_kv_cache_memory_bytes_is_vllms_name_for_the_budget():
+    assert engine_args_from(parse("serve", "--kv-cache-memory-bytes", "2G")).kv_cache_memory == 2 * 1024**3
+    assert engine_args_from(parse("serve", "--kv-cache-memory-bytes", "2g")).kv_cache_memory == 2 * 10**9
+    assert engine_args_from(parse("serve", "--kv-cache-memory-bytes", "123456")).kv_cache_memory == 123456
+
+
+def test_num_gpu_blocks_override_zero_is_refused_before_loading():
+    with pytest.raises(ConfigError, match="--num-gpu-blocks-override must be >= 1"):
+        engine_args_from(parse("serve", "--num-gpu-blocks-override", "0"))
+
+
+def test_api_keys_after_one_flag_or_repeated():
+    ns = parse("serve", "--api-key", "a", "b", "--api-key", "c")
+    assert ns.api_key == ["a", "b", "c"]
+
+
+def test_harmless_vllm_launch_flags_are_accepted():
+    ns = parse("serve", "-O3", "--download-dir", "/models", "-cc", '{"level": 3}', "--compilation-config", "{}",
+               "--optimization-level", "2", "--disable-fastapi-docs", "--trust-remote-code")
+    assert engine_args_from(ns) == _validated(EngineArgs())
+    assert ns.disable_fastapi_docs is True
+
+
 def _validated(args: EngineArgs) -> EngineArgs:
     args.validate()  # resolves defaults that depend on other flags (preemption mode)
     return args

@@ -15,7 +15,8 @@ import sys
 import typing
 
 from kvserve.config import (DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, VLLM_NOOP,
-                            VLLM_NOOP_VALUE, VLLM_REFUSED, ConfigError, EngineArgs, accepted_values, parse_size)
+                            VLLM_NOOP_VALUE, VLLM_REFUSED, ConfigError, EngineArgs, accepted_values,
+                            human_readable_int, parse_size)
 
 logger = logging.getLogger("kvserve")
 
@@ -54,7 +55,8 @@ _HELP = {
     "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
                             "per group (cascade attention, CPU bf16 kernel; on by default)",
     "served_model_name": "name(s) clients send as `model` (default: the model path)",
-    "max_model_len": "context length: prompt + output tokens per request (default: the model's)",
+    "max_model_len": "context length: prompt + output tokens per request; 32k = 32,000, 32K = 32,768, "
+                     "auto = the model's (default: the model's)",
     "block_size": "tokens per KV block",
     "gpu_memory_utilization": "fraction of device memory for weights + KV cache (CUDA)",
     "kv_cache_memory": "KV cache budget in bytes or 4GiB-style; the budget on CPU (default 4GiB)",
@@ -77,7 +79,8 @@ _HELP = {
     "disable_log_stats": "no periodic stats log line",
     "max_logprobs": "largest logprobs / top_logprobs a request may ask for (-1: no cap but the vocabulary, as vLLM)",
 }
-_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
+_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
+            "compilation_config": ["-cc"], "optimization_level": ["-O"]}
 
 
 class _Refuse(argparse.Action):
@@ -134,6 +137,19 @@ def _size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _vllm_int(auto: bool = False):
+    """vLLM's integer flags with its k/K suffixes ('32k', '1K'); `auto`: '-1' and 'auto' mean the
+    default (None), as vLLM's --max-model-len takes them."""
+    def parse(value: str):
+        if auto and value.strip().lower() in ("auto", "-1"):
+            return None
+        try:
+            return human_readable_int(value)  # argparse names the flag
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     hints = typing.get_type_hints(EngineArgs)
     defaults = EngineArgs()
@@ -153,6 +169,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["action"] = argparse.BooleanOptionalAction if on_off else "store_true"
         elif f.name == "kv_cache_memory":
             kwargs["type"] = _size
+        elif f.name in ("max_model_len", "max_num_batched_tokens"):
+            kwargs["type"] = _vllm_int(auto=f.name == "max_model_len")
         elif f.name in ("override_generation_config", "speculative_config"):
             kwargs["type"] = _json_object
         elif f.name == "served_model_name":
@@ -164,6 +182,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         if default is not None and base is not bool:
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(_flag(f.name), **kwargs)
+        if f.name == "kv_cache_memory":  # vLLM's name, with vLLM's suffixes (4G = 4 GiB, 4g = 4e9 bytes)
+            group.add_argument("--kv-cache-memory-bytes", dest=f.name, default=argparse.SUPPRESS,
+                               type=_vllm_int(), metavar="BYTES",
+                               help="vLLM's name for --kv-cache-memory: bytes, or with vLLM's suffixes "
+                                    "(4G = 4 GiB, 4g = 4,000,000,000)")
     refused = parser.add_argument_group("vLLM flags kvserve refuses (an error names the reason)")
     for name, (_, why) in VLLM_REFUSED.items():
         if name not in hints:
@@ -176,7 +199,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         if name not in hints:
             noop.add_argument(_flag(name), dest=name, nargs=0, action=_Noop, default=argparse.SUPPRESS, help=why)
     for name, why in VLLM_NOOP_VALUE.items():
-        noop.add_argument(_flag(name), dest=name, action=_Noop, default=argparse.SUPPRESS, metavar="X", help=why)
+        noop.add_argument(_flag(name), *_ALIASES.get(name, []), dest=name, action=_Noop, default=argparse.SUPPRESS,
+                          metavar="X", help=why)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -199,8 +223,9 @@ def _add_serve(sub) -> None:
     s = p.add_argument_group("Server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; 0.0.0.0 exposes it)")
     s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    s.add_argument("--api-key", action="append", default=[], help="require `Authorization: Bearer KEY` on /v1 "
-                   "routes; repeat for several keys (all share one tenant); default: $VLLM_API_KEY if set, as vLLM")
+    s.add_argument("--api-key", action="extend", nargs="+", default=[], help="require `Authorization: Bearer KEY` on /v1 "
+                   "routes; several keys after one flag (vLLM's) or repeated (all share one tenant); default: "
+                   "$VLLM_API_KEY if set, as vLLM")
     s.add_argument("--api-keys-file", help="JSON {key: tenant} or lines `KEY TENANT`; each tenant gets its own "
                    "prefix cache (salted block hashes)")
     s.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
@@ -213,6 +238,8 @@ def _add_serve(sub) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="(default: %(default)s: one access-log line per HTTP request, as vLLM)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access-log lines")
+    s.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json (vLLM's)")
     s.add_argument("--root-path", default="", help="FastAPI root_path when behind a path-based proxy")
     s.add_argument("--response-role", default="assistant", help="role of the generated chat message "
                    "(default: %(default)s)")
@@ -254,7 +281,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     cors = CorsConfig(ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials)
     config = ServingConfig(served_model_names=names, max_logprobs=llm.max_logprobs,
                            enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len,
-                           response_role=ns.response_role, cors=cors, scheduling_policy=args.scheduling_policy)
+                           response_role=ns.response_role, cors=cors, scheduling_policy=args.scheduling_policy,
+                           disable_docs=ns.disable_fastapi_docs)
     app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes)
     s = llm.latest_stats
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",

@@ -58,11 +58,13 @@ VLLM_NOOP = {"trust_remote_code": "kvserve never runs model code; llama, mistral
              "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
              "disable_frontend_multiprocessing": "the HTTP server and the engine share one process already"}
 VLLM_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve's decode graphs cover every context length "
-                                             "(the attention kernel reads lengths from device memory)"}
+                                             "(the attention kernel reads lengths from device memory)",
+                   "download_dir": "models are local paths; nothing is downloaded",
+                   "compilation_config": "kvserve does not run torch.compile; its CPU kernels are compiled "
+                                         "ahead, its CUDA decode steps are CUDA graphs (--enforce-eager)",
+                   "optimization_level": "kvserve does not run torch.compile (see --compilation-config)"}
 # Offline `LLM(...)` arguments of vLLM's with nothing to do here (value ignored).
-VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "one device per process: no all-reduce",
-                     "compilation_config": "kvserve does not run torch.compile",
-                     "download_dir": "models are local paths; nothing is downloaded"}
+VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "one device per process: no all-reduce"}
 
 
 def accepted_values(name: str) -> tuple[str, ...]:
@@ -86,6 +88,32 @@ def vllm_only_args(kwargs: dict) -> list[str]:
                 raise ConfigError(f"{name}={value!r} is not supported: {VLLM_REFUSED[name][1]}")
             accepted.append(name)
     return accepted
+
+
+_HUMAN_INT_RE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str, flag: str | None = None) -> int:
+    """vLLM's integer flags ('--max-model-len 32k'): k/m/g/t are powers of 1000 and may follow a
+    decimal ('25.6k' = 25,600), K/M/G/T powers of 1024 after a whole number ('1K' = 1,024)."""
+    text = value.strip()
+    where = f"{flag}: " if flag else ""
+    m = _HUMAN_INT_RE.fullmatch(text)
+    if m is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{where}cannot parse {value!r}; use a whole number, or one with a suffix "
+                              f"as vLLM takes them: 32k = 32,000, 32K = 32,768") from None
+    number, suffix = m.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise ConfigError(f"{where}{value!r} has a decimal with the binary suffix {suffix}; "
+                          f"did you mean {number}{suffix.lower()}?")
+    return int(number) * _BINARY[suffix]
 
 
 def parse_size(value: str | int | float, flag: str = "size") -> int:
@@ -293,6 +321,9 @@ class EngineArgs:
             self.kv_cache_memory = parse_size(self.kv_cache_memory, "--kv-cache-memory")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"--kv-cache-memory must be > 0 bytes (got {self.kv_cache_memory})")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError(f"--num-gpu-blocks-override must be >= 1 KV block (got {self.num_gpu_blocks_override}); "
+                              f"leave it unset to size the pool from --kv-cache-memory")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1 (got {self.max_model_len})")
         if self.max_logprobs < -1:

@@ -49,6 +49,11 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
 
 def _engine_args(model: str | None, kwargs: dict) -> EngineArgs:
     kwargs = dict(kwargs)
+    if "kv_cache_memory_bytes" in kwargs:  # vLLM's name for the KV budget in bytes
+        if "kv_cache_memory" in kwargs:
+            raise TypeError("LLM() got both kv_cache_memory and kv_cache_memory_bytes; they are the same budget, "
+                            "give one")
+        kwargs["kv_cache_memory"] = kwargs.pop("kv_cache_memory_bytes")
     for name in vllm_only_args({k: v for k, v in kwargs.items() if k not in EngineArgs.field_names()}):
         del kwargs[name]
     unknown = set(kwargs) - set(EngineArgs.field_names())

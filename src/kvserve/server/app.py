@@ -214,8 +214,9 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         yield
         llm.shutdown()
 
+    no_docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_docs else {}
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible LLM server built around KV-cache management.")
+                  description="OpenAI-compatible LLM server built around KV-cache management.", **no_docs)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if config.cors is not None:
         from starlette.middleware.cors import CORSMiddleware

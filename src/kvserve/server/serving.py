@@ -36,6 +36,7 @@ class ServingConfig:
     response_role: str = "assistant"  # vLLM's --response-role
     scheduling_policy: str = "fcfs"
     cors: CorsConfig | None = None  # None: no CORS headers (tests, embedding apps)
+    disable_docs: bool = False  # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json
 
 
 def _is_off(value) -> bool:
