@@ -144,7 +144,7 @@ def _vllm_int(auto: bool = False):
         if auto and value.strip().lower() in ("auto", "-1"):
             return None
         try:
-            return human_readable_int(value)  # argparse names the flag
+            return human_readable_int(value)  # argparse's message names the flag
         except ConfigError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return parse

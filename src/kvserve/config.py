@@ -95,23 +95,22 @@ _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def human_readable_int(value: str, flag: str | None = None) -> int:
+def human_readable_int(value: str) -> int:
     """vLLM's integer flags ('--max-model-len 32k'): k/m/g/t are powers of 1000 and may follow a
     decimal ('25.6k' = 25,600), K/M/G/T powers of 1024 after a whole number ('1K' = 1,024)."""
     text = value.strip()
-    where = f"{flag}: " if flag else ""
     m = _HUMAN_INT_RE.fullmatch(text)
     if m is None:
         try:
             return int(text)
         except ValueError:
-            raise ConfigError(f"{where}cannot parse {value!r}; use a whole number, or one with a suffix "
+            raise ConfigError(f"cannot parse {value!r}; use a whole number, or one with a suffix "
                               f"as vLLM takes them: 32k = 32,000, 32K = 32,768") from None
     number, suffix = m.groups()
     if suffix in _DECIMAL:
         return int(float(number) * _DECIMAL[suffix])
     if "." in number:
-        raise ConfigError(f"{where}{value!r} has a decimal with the binary suffix {suffix}; "
+        raise ConfigError(f"{value!r} has a decimal with the binary suffix {suffix}; "
                           f"did you mean {number}{suffix.lower()}?")
     return int(number) * _BINARY[suffix]
 
