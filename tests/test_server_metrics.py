@@ -56,11 +56,25 @@ def test_prefix_hit_rate_rises_on_shared_prefix_load(server):
     before = server.metric("vllm:gpu_prefix_cache_hit_rate")
     hits0 = server.metric("vllm:prefix_cache_hits_total")
     queries0 = server.metric("vllm:prefix_cache_queries_total")
+    names = ("vllm:prompt_tokens_cached_total", "vllm:request_prefill_kv_computed_tokens_sum",
+             "vllm:request_prefill_kv_computed_tokens_count")
+    sources = ("local_cache_hit", "local_compute")
+    counts0 = [server.metric(n) for n in names] + [server.metric("vllm:prompt_tokens_by_source_total", source=x)
+                                                   for x in sources]
     prefix = f"{uuid.uuid4()} " + "The quick brown fox jumps over the lazy dog. " * 30
+    prompt_tokens = cached_tokens = 0
     for i in range(5):
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": prefix + f" Q{i}:", "max_tokens": 1},
                        timeout=120)
         assert r.status_code == 200
+        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+        cached_tokens += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # vLLM's newer prompt-token counters agree with what the responses reported
+    counts = [server.metric(n) for n in names] + [server.metric("vllm:prompt_tokens_by_source_total", source=x)
+                                                  for x in sources]
+    cached, computed_sum, computed_count, by_hit, by_compute = (a - b for a, b in zip(counts, counts0))
+    assert cached_tokens >= 4 * 288 and cached == cached_tokens == by_hit
+    assert computed_sum == by_compute == prompt_tokens - cached_tokens and computed_count == 5
     after = server.metric("vllm:gpu_prefix_cache_hit_rate")
     hits = server.metric("vllm:prefix_cache_hits_total") - hits0
     queries = server.metric("vllm:prefix_cache_queries_total") - queries0
@@ -110,7 +124,9 @@ def test_every_issue_metric_is_exported_with_model_label(server):
              "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
              "kvserve:kv_blocks_total", "kvserve:kv_blocks_free", "kvserve:kv_blocks_used",
              "kvserve:kv_blocks_cached", "kvserve:kv_cached_usage_perc", "kvserve:kv_token_occupancy_perc",
-             "kvserve:cached_block_evictions_total", "kvserve:prefix_cache_hits_by_tier_total"]
+             "kvserve:cached_block_evictions_total", "kvserve:prefix_cache_hits_by_tier_total",
+             "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_by_source_total",
+             "vllm:request_prefill_kv_computed_tokens_bucket"]
     keys = server.metrics()
     for name in names:
         series = [k for k in keys if k.partition("{")[0] == name]

@@ -448,6 +448,8 @@ class LLMEngine:
             resume_prefix_cache_queries=s.resume_queries, resume_prefix_cache_hits=s.resume_hits,
             num_preemptions=self.scheduler.num_preemptions, num_cached_block_evictions=u.num_evictions,
             prompt_tokens_total=self.prompt_tokens_total,
+            prompt_tokens_cached_total=self.scheduler.num_cached_prompt_tokens,
+            prompt_tokens_computed_total=self.scheduler.num_computed_prompt_tokens,
             generation_tokens_total=self.generation_tokens_total,
             tier_hits={"device": s.hits + s.resume_hits - sum(s.tier_hits.values()), **s.tier_hits},
             num_swapped_preemptions=self.scheduler.num_swaps, num_steps=self.num_steps,

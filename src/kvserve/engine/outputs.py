@@ -110,6 +110,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_cached_block_evictions: int = 0
     prompt_tokens_total: int = 0
+    # Prompt tokens at first admission: from the prefix cache / to prefill (vllm:prompt_tokens_by_source)
+    prompt_tokens_cached_total: int = 0
+    prompt_tokens_computed_total: int = 0
     generation_tokens_total: int = 0
     host_tier_usage: float = 0.0
     # Prompt tokens served by source: 'device' (pool) and each offload tier ('host', 'disk', 'redis').

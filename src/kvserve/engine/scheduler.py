@@ -49,6 +49,9 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last schedule(), for the runner
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions whose blocks went to the host tier
+        # Prompt tokens at first admission (one sequence per request, as vllm:prompt_tokens counts):
+        # served from the prefix cache (vLLM's cached_tokens) and left to prefill.
+        self.num_cached_prompt_tokens = self.num_computed_prompt_tokens = 0
         self.proposer = NgramProposer(config.speculative) if config.speculative else None
         # vLLM's spec_decode counters: steps that carried guesses, guesses, guesses kept
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -162,6 +165,9 @@ class Scheduler:
             req.num_computed_tokens = hit.num_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+                if req.parent_id is None:  # n > 1: the other sequences reuse the first one's prompt
+                    self.num_cached_prompt_tokens += req.num_cached_tokens
+                    self.num_computed_prompt_tokens += req.num_prompt_tokens - req.num_cached_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._entry(req, n))

@@ -84,6 +84,11 @@ class ServerMetrics:
         self.pc_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (new requests).")
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted to free KV blocks.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of admitted requests, as counted by the engine (see docs/metrics.md).")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Prompt tokens of admitted requests served from the prefix cache (any tier).")
+        self.prompt_tokens_by_source = counter("vllm:prompt_tokens_by_source",
+                                               "Prompt tokens by source: local_compute, local_cache_hit "
+                                               "(kvserve has no external KV transfer).", L + ["source"])
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.request_success = counter("vllm:request_success", "Finished requests by finish reason.",
                                        L + ["finished_reason"])
@@ -100,6 +105,9 @@ class ServerMetrics:
         self.inference_time = hist("vllm:request_inference_time_seconds", "First scheduled to last token.", REQUEST_LATENCY_BUCKETS)
         token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
         self.req_prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt length per finished request.", token_buckets)
+        self.req_prefill_computed = hist("vllm:request_prefill_kv_computed_tokens",
+                                         "Per finished request: prompt tokens prefilled (not from the prefix cache).",
+                                         token_buckets)
         self.req_gen_tokens = hist("vllm:request_generation_tokens", "Generated tokens per finished request (all n).", token_buckets)
         self.req_max_gen_tokens = hist("vllm:request_max_num_generation_tokens",
                                        "Per finished request: tokens of its longest sequence.", token_buckets)
@@ -210,6 +218,10 @@ class ServerMetrics:
         self._last["steps"] = s.num_steps
         self._advance("ev", self.evictions.labels(m), s.num_cached_block_evictions)
         self._advance("pt", self.prompt_tokens.labels(m), s.prompt_tokens_total)
+        self._advance("ptc", self.prompt_tokens_cached.labels(m), s.prompt_tokens_cached_total)
+        self._advance("pts:hit", self.prompt_tokens_by_source.labels(m, "local_cache_hit"), s.prompt_tokens_cached_total)
+        self._advance("pts:compute", self.prompt_tokens_by_source.labels(m, "local_compute"),
+                      s.prompt_tokens_computed_total)
         self._advance("gt", self.generation_tokens.labels(m), s.generation_tokens_total)
         for tier, hits in s.tier_hits.items():
             self._advance("tier:" + tier, self.tier_hits.labels(m, tier), hits)
@@ -271,6 +283,8 @@ class ServerMetrics:
         reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
         self.request_success.labels(m, reasons[0] if reasons else "abort").inc()
         self.req_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
+        cached = min(max(out.num_cached_tokens, 0), len(out.prompt_token_ids))
+        self.req_prefill_computed.labels(m).observe(len(out.prompt_token_ids) - cached)
         self.req_gen_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
         longest = max((len(o.token_ids) for o in out.outputs), default=0)
         self.req_max_gen_tokens.labels(m).observe(longest)
