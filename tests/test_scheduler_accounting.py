@@ -202,6 +202,13 @@ def test_requests_arriving_together_share_an_uncached_prefix():
         sched = Scheduler(cfg, kv)
         computed = _prefill_tokens(sched, CostModelRunner(vocab_size=200), prompts)
         assert computed == want, (caching, computed)
+    # The first step admits one request and defers the other five (vllm:num_requests_waiting_by_reason).
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256), kv)
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", list(p), SamplingParams(max_tokens=2, ignore_eos=True)))
+    out = sched.schedule()
+    assert len(out.scheduled) == 1 and sched.num_waiting == 5 and sched.num_waiting_deferred == 5
 
 
 def test_a_waiting_request_is_not_held_back_by_a_different_prefix():

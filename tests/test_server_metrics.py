@@ -126,7 +126,7 @@ def test_every_issue_metric_is_exported_with_model_label(server):
              "kvserve:kv_blocks_cached", "kvserve:kv_cached_usage_perc", "kvserve:kv_token_occupancy_perc",
              "kvserve:cached_block_evictions_total", "kvserve:prefix_cache_hits_by_tier_total",
              "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_by_source_total",
-             "vllm:request_prefill_kv_computed_tokens_bucket"]
+             "vllm:request_prefill_kv_computed_tokens_bucket", "vllm:num_requests_waiting_by_reason"]
     keys = server.metrics()
     for name in names:
         series = [k for k in keys if k.partition("{")[0] == name]

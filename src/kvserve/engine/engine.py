@@ -442,6 +442,7 @@ class LLMEngine:
         total = max(u.num_blocks, 1)
         stats = EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_waiting_deferred=min(self.scheduler.num_waiting_deferred, self.scheduler.num_waiting),
             num_blocks_total=u.num_blocks, num_blocks_free=u.num_free, num_blocks_used=u.num_used,
             num_blocks_cached=u.num_cached, kv_usage=u.num_used / total, cached_usage=u.num_cached / total,
             token_occupancy=u.token_occupancy, prefix_cache_queries=s.queries, prefix_cache_hits=s.hits,

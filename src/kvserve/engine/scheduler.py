@@ -52,6 +52,10 @@ class Scheduler:
         # Prompt tokens at first admission (one sequence per request, as vllm:prompt_tokens counts):
         # served from the prefix cache (vLLM's cached_tokens) and left to prefill.
         self.num_cached_prompt_tokens = self.num_computed_prompt_tokens = 0
+        # Waiting requests the last schedule() passed over on purpose (vLLM's "deferred" reason):
+        # an n > 1 sequence until the first one's prompt is cached, a request whose next block
+        # another request is computing this step. The rest wait for capacity.
+        self.num_waiting_deferred = 0
         self.proposer = NgramProposer(config.speculative) if config.speculative else None
         # vLLM's spec_decode counters: steps that carried guesses, guesses, guesses kept
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -106,6 +110,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         budget = cfg.max_num_batched_tokens
+        self.num_waiting_deferred = 0
 
         if cfg.policy == "priority":
             self._preempt_for_priority(out)
@@ -151,9 +156,11 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
             if req.parent_id is not None and not self._parent_prompt_cached(req):
+                self.num_waiting_deferred += 1
                 continue  # n > 1: wait for the first sequence's prompt to reach the cache
             hit = self.kv.get_computed_blocks(req)
             if pending and self._next_block_pending(req, hit.num_tokens, pending):
+                self.num_waiting_deferred += 1
                 continue
             n = req.num_tokens - hit.num_tokens
             if n > budget and not cfg.enable_chunked_prefill:

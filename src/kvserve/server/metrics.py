@@ -72,6 +72,10 @@ class ServerMetrics:
         # --- vLLM names ---
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
+        self.waiting_by_reason = gauge("vllm:num_requests_waiting_by_reason",
+                                       "Waiting requests by reason: capacity (no room or budget), deferred (held "
+                                       "back on purpose: an n > 1 sequence until the first one's prompt is cached, "
+                                       "a request whose next block another is computing this step).", L + ["reason"])
         self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
                                      "Fraction (0..1) of KV blocks held by requests (ref>0); cached-only blocks not counted.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Same value as vllm:gpu_cache_usage_perc (vLLM V1 name).")
@@ -192,6 +196,8 @@ class ServerMetrics:
         m = self.model_name
         self.running.labels(m).set(s.num_running)
         self.waiting.labels(m).set(s.num_waiting)
+        self.waiting_by_reason.labels(m, "capacity").set(s.num_waiting - s.num_waiting_deferred)
+        self.waiting_by_reason.labels(m, "deferred").set(s.num_waiting_deferred)
         self.gpu_cache_usage.labels(m).set(s.kv_usage)
         self.kv_cache_usage.labels(m).set(s.kv_usage)
         self.cpu_cache_usage.labels(m).set(s.host_tier_usage)
