@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvserve.cli import main
+from kvserve.config import ConfigError
 from kvserve.tools.bench_report import latency
 from kvserve.tools.workload import LengthDist, WorkloadSpec, is_shared, synthetic_trace
 from server_util import SMALL, shared_server
@@ -122,6 +123,41 @@ def test_user_errors_name_the_flag(capsys):
     # An unwritable --json fails before the run, not after it (the results were lost).
     assert bench("--url", "http://127.0.0.1:9", "--num-requests", "1", "--json", "/nonexistent-dir/r.json") == 2
     assert "/nonexistent-dir does not exist" in capsys.readouterr().err
+
+
+def test_vllm_bench_serve_flags_run_the_same_bench(server, tmp_path, capsys):
+    """A `vllm bench serve` command line, its program name changed, runs here."""
+    rc = bench("--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions",
+               "--dataset-name", "random", "--num-prompts", "3", "--max-concurrency", "2", "--request-rate", "inf",
+               "--random-input-len", "8", "--random-output-len", "2", "--ignore-eos", "--tokenizer", "x",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json")
+    assert rc == 0, capsys.readouterr()
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["completed"] == 3 and "concurrency 2" in doc["load"]
+    assert all(r["prompt_len"] == 8 and r["output_tokens"] == 2 for r in doc["requests"])
+
+
+def test_vllm_bench_serve_flags_map_onto_this_tools():
+    from kvserve.cli import build_parser
+    from kvserve.tools.bench_serve import config_from_args
+
+    def cfg(*argv):
+        return config_from_args(build_parser().parse_args(["bench", "serve", "--base-url", "http://h:1", *argv]))
+
+    c = cfg("--num-prompts", "40", "--random-input-len", "100", "--random-output-len", "10",
+            "--random-range-ratio", "0.5", "--random-prefix-len", "32")
+    w = c.workload
+    assert c.concurrency == 8 and c.num_requests == 40
+    assert (w.prompt_len.kind, w.prompt_len.a, w.prompt_len.b) == ("uniform", 50, 150)
+    assert (w.output_len.a, w.output_len.b) == (5, 15)
+    assert (w.prefix_len, w.shared_prefix_fraction) == (32, 1.0)
+    c = cfg("--num-prompts", "12", "--request-rate", "inf")  # vLLM's default: all at once
+    assert c.concurrency == 12 and c.request_rate is None
+    for argv, needle in ((["--backend", "openai-chat"], "--backend"), (["--dataset-name", "sharegpt"], "sharegpt"),
+                         (["--endpoint", "/v1/chat/completions"], "--endpoint"),
+                         (["--random-range-ratio", "0.2", "--random-input-len", "10:20"], "plain --prompt-len")):
+        with pytest.raises(ConfigError, match=needle):
+            cfg(*argv)
 
 
 def test_plot_writes_png_or_says_matplotlib_is_missing(server, tmp_path, capsys, monkeypatch):

@@ -19,6 +19,7 @@ import ssl
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import AsyncIterator
 
 import httpx
@@ -289,21 +290,33 @@ def add_parser(subparsers) -> None:
     bench.set_defaults(_bench_parser=bench)
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (/v1/completions, streaming)",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", "--base-url", dest="url", required=True,
+                   help="server base URL, e.g. http://127.0.0.1:8000 (--base-url: vLLM's name)")
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     load = p.add_argument_group("load (one of)")
-    load.add_argument("--concurrency", type=int, help="closed loop: N clients back to back (default 8)")
-    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals, conversations per second")
+    load.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int,
+                      help="closed loop: N clients back to back (default 8)")
+    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals, conversations per second "
+                      "(inf, vLLM's default: every request at once)")
     stop = p.add_argument_group("when to stop (the first reached; default --num-requests 100)")
-    stop.add_argument("--num-requests", type=int, help="requests to send (each turn counts)")
+    stop.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int,
+                      help="requests to send (each turn counts)")
     stop.add_argument("--duration", type=float, help="seconds to keep sending")
     stop.add_argument("--hard-timeout", type=float, help="seconds after which everything is cancelled "
                       "(default: --duration + 60, or 600)")
     stop.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default 300)")
     w = p.add_argument_group("workload (prompts are token ids)")
-    w.add_argument("--prompt-len", default="256", help="N, LO:HI or normal:MEAN,STD new tokens per turn (default %(default)s)")
-    w.add_argument("--output-len", default="64", help="max_tokens: N, LO:HI or normal:MEAN,STD (default %(default)s)")
+    w.add_argument("--prompt-len", "--random-input-len", dest="prompt_len", default="256",
+                   help="N, LO:HI or normal:MEAN,STD new tokens per turn (default %(default)s)")
+    w.add_argument("--output-len", "--random-output-len", dest="output_len", default="64",
+                   help="max_tokens: N, LO:HI or normal:MEAN,STD (default %(default)s)")
+    w.add_argument("--random-range-ratio", type=float, default=None, metavar="R",
+                   help="vLLM's: a fixed --prompt-len / --output-len N becomes uniform over "
+                        "[N (1 - R), N (1 + R)]")
+    w.add_argument("--random-prefix-len", type=int, default=None, metavar="N",
+                   help="vLLM's: every prompt starts with one shared prefix of N tokens "
+                        "(--prefix-len N --shared-prefix-fraction 1)")
     w.add_argument("--shared-prefix-fraction", type=float, default=0.0, help="fraction of conversations whose first "
                    "prompt starts with one shared prefix")
     w.add_argument("--prefix-len", type=int, default=0, help="shared prefix length in tokens")
@@ -318,9 +331,52 @@ def add_parser(subparsers) -> None:
     o.add_argument("--json", metavar="PATH", help="write the report (and per-request records) as JSON")
     o.add_argument("--plot", metavar="PNG", help="latency CDFs and throughput over time (needs matplotlib)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--save-result", action="store_true",
+                   help="vLLM's: write the JSON report to --result-filename, or a dated name in --result-dir")
+    o.add_argument("--result-filename", metavar="NAME", help="with --save-result: the report's file name")
+    o.add_argument("--result-dir", metavar="DIR", default=".", help="with --save-result: where it goes")
+    v = p.add_argument_group("vLLM `bench serve` flags with one meaning here (others are refused)")
+    v.add_argument("--backend", default="vllm", help="vllm or openai: /v1/completions, streamed")
+    v.add_argument("--endpoint", default="/v1/completions", help="only /v1/completions")
+    v.add_argument("--dataset-name", default="random", help="only random (token-id prompts; see workload)")
+    v.add_argument("--tokenizer", help="ignored: prompts are token ids, the server detokenizes")
+    v.add_argument("--ignore-eos", action="store_true", help="ignored: EOS is ignored by default (--no-ignore-eos)")
+
+
+def apply_vllm_flags(args) -> None:
+    """vLLM's `bench serve` spellings onto this tool's own flags (in place), refusing what it
+    cannot mean here."""
+    if args.backend not in ("vllm", "openai"):
+        raise ConfigError(f"--backend {args.backend!r}: only vllm / openai (/v1/completions, streamed) are implemented")
+    if args.endpoint.rstrip("/") != "/v1/completions":
+        raise ConfigError(f"--endpoint {args.endpoint!r}: only /v1/completions is implemented")
+    if args.dataset_name != "random":
+        raise ConfigError(f"--dataset-name {args.dataset_name!r}: only random is implemented (token-id prompts "
+                          f"of --prompt-len; shared prefixes with --prefix-len, --shared-prefix-fraction)")
+    if args.request_rate == float("inf"):  # vLLM's default: everything at once, capped by --max-concurrency
+        args.request_rate = None
+        if args.concurrency is None:
+            args.concurrency = args.num_requests or 100
+    if args.random_prefix_len is not None:
+        args.prefix_len, args.shared_prefix_fraction = args.random_prefix_len, 1.0
+    if args.random_range_ratio is not None:
+        r = args.random_range_ratio
+        if not 0 <= r < 1:
+            raise ConfigError(f"--random-range-ratio must be in [0, 1) (got {r})")
+        for name in ("prompt_len", "output_len"):
+            flag = "--" + name.replace("_", "-")
+            text = str(getattr(args, name)).strip()
+            if not text.isdigit():
+                raise ConfigError(f"--random-range-ratio needs a plain {flag} N (got {text!r})")
+            n = int(text)
+            setattr(args, name, f"{max(1, round(n * (1 - r)))}:{max(1, round(n * (1 + r)))}")
+    if args.save_result and not args.json:
+        name = args.result_filename or time.strftime("kvserve-bench-serve-%Y%m%d-%H%M%S.json")
+        args.json = str(Path(args.result_dir) / name)
 
 
 def config_from_args(args) -> BenchConfig:
+    apply_vllm_flags(args)
     if args.concurrency is not None and args.request_rate is not None:
         raise ConfigError("give --concurrency (closed loop) or --request-rate (open loop), not both")
     concurrency = args.concurrency if args.request_rate is None else None
@@ -378,8 +434,8 @@ def run(args: argparse.Namespace) -> int:
         args._bench_parser.print_help(sys.stderr)
         return 2
     try:
-        check_writable(args.json, "--json")
         cfg = config_from_args(args)
+        check_writable(args.json, "--json")
         report, records = run_bench(cfg)
     except ConfigError as e:
         print(f"kvserve bench serve: error: {e}", file=sys.stderr)
