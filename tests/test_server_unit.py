@@ -108,9 +108,15 @@ def test_num_gpu_blocks_override_zero_is_refused_before_loading():
         engine_args_from(parse("serve", "--num-gpu-blocks-override", "0"))
 
 
-def test_api_keys_after_one_flag_or_repeated():
+def test_api_keys_after_one_flag_or_repeated(tmp_path):
+    from kvserve.cli import check_api_keys
     ns = parse("serve", "--api-key", "a", "b", "--api-key", "c")
     assert ns.api_key == ["a", "b", "c"]
+    check_api_keys(ns)
+    # `--api-key KEY MODEL` would read the model as a second key and serve the default model
+    with pytest.raises(ConfigError, match="give the model before the keys"):
+        check_api_keys(parse("serve", "--api-key", "k", str(tmp_path)))
+    check_api_keys(parse("serve", str(tmp_path), "--api-key", "k"))
 
 
 def test_harmless_vllm_launch_flags_are_accepted():

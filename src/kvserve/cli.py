@@ -254,6 +254,18 @@ def _add_serve(sub) -> None:
     p.set_defaults(_run=run_serve)
 
 
+def check_api_keys(ns: argparse.Namespace) -> None:
+    """--api-key takes several keys (vLLM's), so `--api-key KEY MODEL` reads MODEL as a key and
+    would serve the default model: refuse a key that names an existing path when no model is given."""
+    if ns.model or getattr(ns, "model_pos", None):
+        return
+    for key in ns.api_key:
+        if os.path.exists(key):
+            raise ConfigError(f"--api-key took {key!r}, which is a path: give the model before the keys "
+                              f"(`kvserve serve MODEL --api-key KEY`) or as --model, since --api-key takes "
+                              f"every value after it, as vLLM's")
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     import uvicorn
     from prometheus_client import disable_created_metrics
@@ -264,6 +276,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from kvserve.server.metrics import RequestLogWriter, ServerMetrics, StatLogger
     from kvserve.server.serving import CorsConfig, ServingConfig
 
+    check_api_keys(ns)
     args = engine_args_from(ns)
     # vLLM reads VLLM_API_KEY when --api-key is not given; a launch script relying on it must not run open.
     env_key = os.environ.get("VLLM_API_KEY")
