@@ -112,8 +112,8 @@ class EngineStats:
     prompt_tokens_total: int = 0
     # Prompt tokens at first admission: from the prefix cache / to prefill (vllm:prompt_tokens_by_source)
     prompt_tokens_cached_total: int = 0
-    num_waiting_deferred: int = 0  # of num_waiting: passed over on purpose (Scheduler.num_waiting_deferred)
     prompt_tokens_computed_total: int = 0
+    num_waiting_deferred: int = 0  # of num_waiting: passed over on purpose (Scheduler.num_waiting_deferred)
     generation_tokens_total: int = 0
     host_tier_usage: float = 0.0
     # Prompt tokens served by source: 'device' (pool) and each offload tier ('host', 'disk', 'redis').
