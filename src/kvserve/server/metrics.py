@@ -289,8 +289,7 @@ class ServerMetrics:
         reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
         self.request_success.labels(m, reasons[0] if reasons else "abort").inc()
         self.req_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
-        cached = min(max(out.num_cached_tokens, 0), len(out.prompt_token_ids))
-        self.req_prefill_computed.labels(m).observe(len(out.prompt_token_ids) - cached)
+        self.req_prefill_computed.labels(m).observe(len(out.prompt_token_ids) - cached_prompt_tokens(out))
         self.req_gen_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
         longest = max((len(o.token_ids) for o in out.outputs), default=0)
         self.req_max_gen_tokens.labels(m).observe(longest)
@@ -359,13 +358,18 @@ class StatLogger:
         self._last_time, self._last = now, s
 
 
+def cached_prompt_tokens(out) -> int:
+    """A finished RequestOutput's prompt tokens served from the prefix cache, within [0, prompt]."""
+    return min(max(out.num_cached_tokens, 0), len(out.prompt_token_ids))
+
+
 def request_log_fields(out) -> dict:
     """The fields of kvserve's request log for one finished RequestOutput."""
     t = out.metrics
     end = t.finished_time if t.finished_time is not None else t.last_token_time or t.arrival_time
     return dict(request_id=out.request_id, prompt_tokens=len(out.prompt_token_ids),
                 output_tokens=sum(len(o.token_ids) for o in out.outputs),
-                cached_tokens=min(max(out.num_cached_tokens, 0), len(out.prompt_token_ids)),
+                cached_tokens=cached_prompt_tokens(out),
                 ttft=None if t.first_token_time is None else t.first_token_time - t.arrival_time,
                 e2e=end - t.arrival_time,
                 finish_reason=next((o.finish_reason for o in out.outputs if o.finish_reason), None),

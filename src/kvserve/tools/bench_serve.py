@@ -343,6 +343,9 @@ def add_parser(subparsers) -> None:
     v.add_argument("--ignore-eos", action="store_true", help="ignored: EOS is ignored by default (--no-ignore-eos)")
 
 
+DEFAULT_NUM_REQUESTS = 100  # when neither --num-requests nor --duration is given
+
+
 def apply_vllm_flags(args) -> None:
     """vLLM's `bench serve` spellings onto this tool's own flags (in place), refusing what it
     cannot mean here."""
@@ -356,7 +359,7 @@ def apply_vllm_flags(args) -> None:
     if args.request_rate == float("inf"):  # vLLM's default: everything at once, capped by --max-concurrency
         args.request_rate = None
         if args.concurrency is None:
-            args.concurrency = args.num_requests or 100
+            args.concurrency = args.num_requests or DEFAULT_NUM_REQUESTS
     if args.random_prefix_len is not None:
         args.prefix_len, args.shared_prefix_fraction = args.random_prefix_len, 1.0
     if args.random_range_ratio is not None:
@@ -388,7 +391,7 @@ def config_from_args(args) -> BenchConfig:
         raise ConfigError(f"--num-requests must be >= 1 (got {args.num_requests})")
     if args.duration is not None and not args.duration > 0:
         raise ConfigError(f"--duration must be > 0 seconds (got {args.duration})")
-    num_requests = 100 if args.num_requests is None and args.duration is None else args.num_requests
+    num_requests = DEFAULT_NUM_REQUESTS if args.num_requests is None and args.duration is None else args.num_requests
     hard = args.hard_timeout or ((args.duration + 60) if args.duration else 600.0)
     if hard <= 0 or args.request_timeout <= 0:
         raise ConfigError(f"--hard-timeout and --request-timeout must be > 0 (got {hard}, {args.request_timeout})")
