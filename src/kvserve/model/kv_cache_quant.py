@@ -33,8 +33,8 @@ import torch
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.engine.scheduler_output import BlockCopy
-from kvserve.model.host_alloc import zeros_huge_pages
 from kvserve.kv import quant
+from kvserve.model.host_alloc import zeros_huge_pages
 from kvserve.model.kv_cache import KVCache, _copy_slot_indices
 from kvserve.model.kv_write_plan import Placement, WritePlan, plan_write
 

@@ -595,11 +595,6 @@ int decode(const QField* kf, const QField* vf, const uint16_t* res, const int64_
 }  // namespace
 #endif
 
-// Decode attention for n sequences, one query token each (row qrow[i] of q / out, bf16), over a
-// quantized cache described by kf / vf (and its bf16 residual pool res / block_res, or nulls).
-// Returns 0 when done, 1 when this layout is not one the kernel reads, 2 when it cannot run now
-// (e4m3 codes while a thread flushes denormals), -1 when the build has no kernel (no AVX512-BF16);
-// nothing is written unless it returns 0, so the caller stages instead.
 // 1 when decode_quantized_d64 reads this CPU's fp8 (e4m3) caches on AMX tiles (decode_fp8_amx.h):
 // compiled in, the process may use the tiles, and KVSERVE_AMX_ATTENTION is not "0".
 extern "C" int decode_quantized_tiles_enabled() {
@@ -610,6 +605,11 @@ extern "C" int decode_quantized_tiles_enabled() {
 #endif
 }
 
+// Decode attention for n sequences, one query token each (row qrow[i] of q / out, bf16), over a
+// quantized cache described by kf / vf (and its bf16 residual pool res / block_res, or nulls).
+// Returns 0 when done, 1 when this layout is not one the kernel reads, 2 when it cannot run now
+// (e4m3 codes while a thread flushes denormals), -1 when the build has no kernel (no AVX512-BF16);
+// nothing is written unless it returns 0, so the caller stages instead.
 #define KVS_QDECODE(DH)                                                                                              \
     extern "C" int decode_quantized_d##DH(const QField* kf, const QField* vf, const uint16_t* res,                  \
                                           const int64_t* block_res, const uint16_t* q, uint16_t* out,               \
