@@ -54,7 +54,7 @@ _SOURCES = (CSRC / "paged_decode.cpp", CSRC / "paged_attention_bf16.cpp", CSRC /
 _HEADERS = (CSRC.parents[1] / "csrc" / "avx512_exp.h", CSRC.parents[1] / "csrc" / "bf16_vec.h",
             CSRC.parents[1] / "csrc" / "gemm_epilogue.h", CSRC.parents[1] / "csrc" / "amx.h",
             CSRC.parents[1] / "csrc" / "weight_tiles.h", CSRC / "attend_amx.h",
-            CSRC / "quant_fields.h", CSRC / "decode_fp8_amx.h")
+            CSRC / "quant_fields.h", CSRC / "decode_fp8_amx.h", CSRC / "attend_decode.h")
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _HEAD_DIMS = (64, 128)  # unrolled instances; others up to _MAX_HEAD_DIM use the generic one

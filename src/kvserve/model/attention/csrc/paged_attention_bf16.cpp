@@ -332,7 +332,8 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         store_output_row<DH>(acc + (size_t)r * DH, l[r], out + qrow[r / g] * out_stride + ((int64_t)h * g + r % g) * DH);
 }
 
-#include "attend_amx.h"  // attend_item_amx: attend_item on AMX tiles
+#include "attend_amx.h"     // attend_item_amx: attend_item on AMX tiles
+#include "attend_decode.h"  // attend_decode: decodes over all K/V heads by segments, without AMX
 
 // The same work item with its query rows in the lanes, for items of 17..64 rows (prefill tiles,
 // cascade prefix items). attend_item broadcasts each row's q pair against 16 keys, one broadcast
@@ -480,6 +481,7 @@ struct Scratch {
     uint32_t* kscr; uint32_t* vscr; float* acc; float* m; float* l; float* alpha; float* sc; uint16_t* pb;
     __m512i* qT; __m512* O; __m512i* pp;
     AmxScratch* amx;  // null where the CPU has no AMX (or it is turned off)
+    DecodeScratch dec;  // dec.sc null: decodes take attend_item
 };
 
 template <int DH>
@@ -521,6 +523,11 @@ void attend(const uint16_t* q, uint16_t* out, const int64_t* qrow, const int64_t
             return;
         }
 #endif
+    if (ntok == 1 && w.dec.sc && (mode == NORMAL || window == 0)) {  // NORMAL: key_begin carries the window
+        attend_decode<DH>(q + qrow[0] * q_stride, out + qrow[0] * out_stride, k_cache, v_cache, table, key_begin,
+                          key_end, h, nh, g, hkv, bs, scale, mode, mode == NORMAL ? nullptr : state[0], w.dec);
+        return;
+    }
 #define KVS_TILE(RV) attend_tile<DH, RV>(q, out, qrow, qpos, ntok, q_stride, out_stride, k_cache, v_cache, \
         table, key_begin, key_end, h, g, hkv, bs, scale, window, mode, state, w.kscr, w.vscr, w.qT, w.O, w.pp)
     switch ((ntok * g + 15) / 16) {
@@ -597,8 +604,12 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             for (int h = 0; h < hkv; ++h)
                 pitems.push_back({gi, h, m0, std::min(TILE, size - m0)});
     }
-    // On AMX a decode's item covers as many K/V heads as fit 16 query rows (attend_item_amx).
-    int decode_heads = 1;
+    // On AMX a decode's item covers as many K/V heads as fit 16 query rows (attend_item_amx);
+    // elsewhere all of them (attend_decode). KVSERVE_DECODE_SEGMENTS=0: attend_item, one item per
+    // K/V head (comparisons).
+    const char* seg_env = getenv("KVSERVE_DECODE_SEGMENTS");
+    const bool segments = !(seg_env && seg_env[0] == '0');
+    int decode_heads = segments ? hkv : 1;
 #ifdef KVS_HAVE_AMX
     if (DH == 64 && use_amx && g <= 16) decode_heads = std::min(hkv, 16 / g);
 #endif
@@ -665,8 +676,15 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             amx_scratch->configured = 0;
         }
 #endif
+        std::vector<float> dec_f((size_t)hq * (DH + 3));
+        std::vector<uint16_t> dec_pb((size_t)hq * DSEG);
+        uint32_t* dec_sc = (uint32_t*)aligned_alloc(64, sizeof(float) * hq * DSEG + sizeof(uint32_t) * hkv * 8 * DH);
+        DecodeScratch dec{nullptr, dec_pb.data(), dec_f.data(), dec_f.data() + (size_t)hq * DH,
+                          dec_f.data() + (size_t)hq * (DH + 1), dec_f.data() + (size_t)hq * (DH + 2),
+                          dec_sc + (size_t)hq * DSEG};
+        if (segments && decode_heads == hkv) dec.sc = (float*)dec_sc;
         const Scratch scratch{kscr, vscr, acc.data(), m.data(), l.data(), alpha.data(), sc, pb.data(), qT, O, pp,
-                              amx_scratch};
+                              amx_scratch, dec};
         int64_t qrow[TILE], qpos[TILE];
         float* state[TILE];
         #pragma omp for schedule(dynamic, 1)
@@ -723,6 +741,7 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             }
         }
         free(sc);
+        free(dec_sc);
         free(qT);
         free(O);
         free(pp);
