@@ -20,6 +20,7 @@
 // head. The arithmetic and roundings are the unfused passes' (elementwise_bf16.cpp), bit for bit.
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -72,23 +73,27 @@ namespace {
 
 constexpr int64_t CHUNK_ROWS = 128;
 
-// Rows [c * CHUNK_ROWS, ...) of x against panel nb (64 columns), tile by tile. `next`: the next
-// panel, prefetched over the tiles while this one computes (decode sizes, see gemm_bf16).
+// Rows [c * CHUNK_ROWS, ...) of x against panel nb (64 columns), tile by tile: the chunk's tiles
+// [t0, t1) of 6 rows (the last one 1-5), all of them by default. `next`: the next panel,
+// prefetched over the tiles while this one computes (decode sizes, see gemm_bf16).
 void panel_chunk(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t nb, int64_t c,
-                 uint16_t* y, const Epilogue& e, const char* next) {
+                 uint16_t* y, const Epilogue& e, const char* next, int64_t t0 = 0, int64_t t1 = INT64_MAX) {
     const int64_t panel_bytes = NR * (K / 2) * 64;
     const int64_t m_end = std::min(M, (c + 1) * CHUNK_ROWS), rows = m_end - c * CHUNK_ROWS;
-    const int64_t tiles = (rows + 5) / 6;
+    t1 = std::min(t1, (rows + 5) / 6);
+    const int64_t tiles = t1 - t0;
+    if (tiles <= 0) return;
     const int64_t per_tile = (panel_bytes / 64 + tiles - 1) / tiles;
     auto at = [&](int64_t i) { return next ? next + std::min(i * per_tile * 64, panel_bytes) : nullptr; };
     auto lines = [&](int64_t i) {
         return next ? std::max<int64_t>(0, std::min(per_tile, panel_bytes / 64 - i * per_tile)) : 0;
     };
-    int64_t m = c * CHUNK_ROWS, t = 0;
-    for (; m + 6 <= m_end; m += 6, ++t) tile<6>(x, K, packed, nb * 64, y, e, m, at(t), lines(t));
+    const int64_t m_stop = std::min(m_end, c * CHUNK_ROWS + 6 * t1);
+    int64_t m = c * CHUNK_ROWS + 6 * t0, t = 0;
+    for (; m + 6 <= m_stop; m += 6, ++t) tile<6>(x, K, packed, nb * 64, y, e, m, at(t), lines(t));
     // The last 1-5 rows as one tile: two tiles of 2 rows (8 accumulators, bound by VDPBF16PS's
     // latency) took as long as one of 4 (16 accumulators, bound by its throughput).
-    switch (m_end - m) {
+    switch (m_stop - m) {
         case 5: tile<5>(x, K, packed, nb * 64, y, e, m, at(t), lines(t)); break;
         case 4: tile<4>(x, K, packed, nb * 64, y, e, m, at(t), lines(t)); break;
         case 3: tile<3>(x, K, packed, nb * 64, y, e, m, at(t), lines(t)); break;
@@ -107,24 +112,37 @@ extern "C" void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_
                           int64_t head_dim, int64_t rope_cols) {
     if (M <= 0) return;
     const Epilogue e = make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols);
-    // Work items: 64-column panels x chunks of up to 128 rows, so a prompt's rows spread over
-    // every core even where a layer has few panels (576 columns: 9); a thread takes consecutive
-    // items, i.e. the row chunks of one panel in turn, which then stays in its cache. Decode
-    // batches up to 128 are one chunk and keep the prefetch (48-row chunks lost it at 64 rows
-    // and ran 5-10 % slower on 2 cores).
+    // Decode batches up to 128 rows are one chunk and keep the next panel's prefetch (48-row
+    // chunks lost it at 64 rows and ran 5-10 % slower on 2 cores).
     const int64_t blocks = N / 64, panel_bytes = NR * (K / 2) * 64;
     const int64_t chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t nb = 0; nb < blocks; ++nb) {
-        for (int64_t c = 0; c < chunks; ++c) {
-            // Decode sizes (one chunk): the next panel streams in from DRAM, spread over this
-            // panel's tiles, one line per K step, while this one computes (else each panel's first
-            // tile waits on DRAM). Prefetching all of it at 1-2 rows (up to 4 lines a step) was
-            // no faster than oneDNN at 1 row; one a step, 10-20 % faster (session 10).
-            const char* next = chunks == 1 && nb + 1 < blocks ? (const char*)packed + (nb + 1) * panel_bytes : nullptr;
-            panel_chunk(x, M, K, packed, nb, c, y, e, next);
+    if (chunks == 1) {
+        // Decode sizes: each thread takes a contiguous run of (panel, 6-row tile) units, so a
+        // layer whose panels do not divide evenly (576 columns: 9 panels) still splits evenly:
+        // by whole panels, one of 2 threads had 5 of 9 (bench/NOTES.md, session 31). The next
+        // panel of the run streams in from DRAM, spread over this panel's tiles, one line per
+        // K step, while this one computes (else each panel's first tile waits on DRAM).
+        // Prefetching all of it at 1-2 rows (up to 4 lines a step) was no faster than oneDNN at
+        // 1 row; one a step, 10-20 % faster (session 10).
+        const int64_t tiles = (M + 5) / 6, units = blocks * tiles;
+        #pragma omp parallel
+        {
+            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t u0 = units * id / nt, u1 = units * (id + 1) / nt;
+            for (int64_t nb = u0 / tiles; nb * tiles < u1; ++nb) {
+                const int64_t t0 = std::max<int64_t>(u0 - nb * tiles, 0), t1 = std::min<int64_t>(u1 - nb * tiles, tiles);
+                const char* next = (nb + 1) * tiles < u1 ? (const char*)packed + (nb + 1) * panel_bytes : nullptr;
+                panel_chunk(x, M, K, packed, nb, 0, y, e, next, t0, t1);
+            }
         }
+        return;
     }
+    // Prompt sizes: 64-column panels x chunks of up to 128 rows, so a prompt's rows spread over
+    // every core even where a layer has few panels; a thread takes consecutive items, i.e. the
+    // row chunks of one panel in turn, which then stays in its cache.
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t nb = 0; nb < blocks; ++nb)
+        for (int64_t c = 0; c < chunks; ++c) panel_chunk(x, M, K, packed, nb, c, y, e, nullptr);
 }
 
 extern "C" int gemm_bf16_available() { return 1; }
