@@ -198,8 +198,9 @@ def load_library() -> ctypes.CDLL | None:
                 getattr(lib, name).argtypes = argtypes
                 getattr(lib, name).restype = None
             lib.elementwise_bf16_available.restype = ctypes.c_int
-            lib.gemm_bf16_pack.argtypes = [_P, _I64, _I64, _P]  # W, N, K, packed
-            lib.gemm_bf16_pack.restype = None
+            for pack in (lib.gemm_bf16_pack, lib.gemm_bf16_pack_steps):
+                pack.argtypes = [_P, _I64, _I64, _P]  # W, N, K, packed
+                pack.restype = None
             # x, M, K, packed, N, y, epilogue kind, cos, sin_signed, head_dim, rope_cols
             lib.gemm_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int, _P, _P, _I64, _I64]
             lib.gemm_bf16.restype = None
@@ -317,7 +318,7 @@ def gemm_bf16_kernels(amx: bool | None = None) -> GemmBf16 | None:
         return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16_amx, 32)
     if amx:
         return None
-    return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16, 2)
+    return GemmBf16(lib.gemm_bf16_pack_steps, lib.gemm_bf16, 2)
 
 
 def gemm_codes_kernel(qtype: str):

@@ -6,11 +6,15 @@
 // layout and the next panel prefetched while one computes, took 20-35 % less time from 1 to 128
 // rows and the same at 2,048 (session 10).
 //
-// Layout: W [N, K] is packed into panels of 16 output columns, each [K/2][16][2]: for pair kp,
-// the 16 columns' (W[n, 2kp], W[n, 2kp+1]), one 64-byte vector, which is VDPBF16PS's second
-// operand. A tile of MR rows x 4 vectors (64 columns) keeps its 4 * MR float32 accumulators in
-// registers over all of K: each step broadcasts one (x[m, 2kp], x[m, 2kp+1]) pair per row. The
-// accumulators are rounded to bf16 (nearest even) once at the end.
+// Layout (gemm_bf16_pack_steps): W [N, K] is packed by 64 output columns into [K/2][4][16][2]:
+// for pair kp, each 16 columns' (W[n, 2kp], W[n, 2kp+1]) is one 64-byte vector, VDPBF16PS's
+// second operand, and a K step's four vectors are adjacent, so a tile reads its weight as one
+// forward stream. (gemm_bf16_pack, the AMX kernel's B-tile layout, keeps each 16 columns' K
+// steps together instead: four streams 16 * K bytes apart, which at 1 row streamed 10-15 %
+// slower here, bench/NOTES.md, session 31.) A tile of MR rows x 4 vectors (64 columns) keeps
+// its 4 * MR float32 accumulators in registers over all of K: each step broadcasts one
+// (x[m, 2kp], x[m, 2kp+1]) pair per row. The accumulators are rounded to bf16 (nearest even)
+// once at the end.
 //
 // Epilogues: the gate/up projection can leave SiLU(gate) * up instead of both halves, and the
 // q/k/v projection can leave q and k rotated (RoPE). A prompt chunk's elementwise passes then
@@ -38,11 +42,11 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, ui
     for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
     const int64_t KP = K / 2;
-    const uint16_t* panel = w + (n0 / 16) * KP * 32;
+    const uint16_t* block = w + (n0 / 16) * KP * 32;  // the tile's 64 columns: [KP][NR][16][2]
     for (int64_t kp = 0; kp < KP; ++kp) {
         if (kp < prefetch_lines) _mm_prefetch(prefetch + kp * 64, _MM_HINT_T1);
         __m512bh b[NR];
-        for (int j = 0; j < NR; ++j) b[j] = (__m512bh)_mm512_loadu_si512(panel + (j * KP + kp) * 32);
+        for (int j = 0; j < NR; ++j) b[j] = (__m512bh)_mm512_loadu_si512(block + (kp * NR + j) * 32);
         for (int i = 0; i < MR; ++i) {
             int32_t pair;  // (x[m, 2kp], x[m, 2kp + 1]), read without assuming 4-byte alignment
             memcpy(&pair, x + (m0 + i) * K + 2 * kp, 4);
@@ -64,6 +68,22 @@ extern "C" void gemm_bf16_pack(const uint16_t* W, int64_t N, int64_t K, uint16_t
             for (int c = 0; c < 16; ++c) {
                 const int64_t n = nb * 16 + c;
                 uint16_t* d = packed + ((nb * KP + kp) * 16 + c) * 2;
+                d[0] = W[n * K + 2 * kp];
+                d[1] = W[n * K + 2 * kp + 1];
+            }
+}
+
+// W [N, K] bf16 -> gemm_bf16's layout (N * K bf16): per 64 output columns, [K/2][4][16][2], i.e.
+// the four 16-column panels of gemm_bf16_pack interleaved by K step, so that a tile reads its
+// weight as one forward stream of 256-byte steps instead of four streams 16 * K bytes apart.
+extern "C" void gemm_bf16_pack_steps(const uint16_t* W, int64_t N, int64_t K, uint16_t* packed) {
+    const int64_t KP = K / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < N / 64; ++nb)
+        for (int64_t kp = 0; kp < KP; ++kp)
+            for (int c = 0; c < 64; ++c) {
+                const int64_t n = nb * 64 + c;
+                uint16_t* d = packed + ((nb * KP + kp) * 64 + c) * 2;
                 d[0] = W[n * K + 2 * kp];
                 d[1] = W[n * K + 2 * kp + 1];
             }
@@ -148,6 +168,7 @@ extern "C" void gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_
 extern "C" int gemm_bf16_available() { return 1; }
 #else
 extern "C" void gemm_bf16_pack(const uint16_t*, int64_t, int64_t, uint16_t*) {}
+extern "C" void gemm_bf16_pack_steps(const uint16_t*, int64_t, int64_t, uint16_t*) {}
 extern "C" void gemm_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, uint16_t*, int,
                           const uint16_t*, const uint16_t*, int64_t, int64_t) {}
 extern "C" int gemm_bf16_available() { return 0; }
