@@ -59,34 +59,30 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, ui
 
 }  // namespace
 
-// W [N, K] bf16 -> the packed panels (N * K bf16). N % 64 == 0, K % 2 == 0.
-extern "C" void gemm_bf16_pack(const uint16_t* W, int64_t N, int64_t K, uint16_t* packed) {
+// W [N, K] bf16 -> (W[n, 2kp], W[n, 2kp+1]) pairs by groups of P output columns, [N/P][K/2][P][2].
+static void pack_pairs(const uint16_t* W, int64_t N, int64_t K, uint16_t* packed, int64_t P) {
     const int64_t KP = K / 2;
     #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < N / 16; ++nb)
+    for (int64_t nb = 0; nb < N / P; ++nb)
         for (int64_t kp = 0; kp < KP; ++kp)
-            for (int c = 0; c < 16; ++c) {
-                const int64_t n = nb * 16 + c;
-                uint16_t* d = packed + ((nb * KP + kp) * 16 + c) * 2;
+            for (int64_t c = 0; c < P; ++c) {
+                const int64_t n = nb * P + c;
+                uint16_t* d = packed + ((nb * KP + kp) * P + c) * 2;
                 d[0] = W[n * K + 2 * kp];
                 d[1] = W[n * K + 2 * kp + 1];
             }
 }
 
-// W [N, K] bf16 -> gemm_bf16's layout (N * K bf16): per 64 output columns, [K/2][4][16][2], i.e.
-// the four 16-column panels of gemm_bf16_pack interleaved by K step, so that a tile reads its
-// weight as one forward stream of 256-byte steps instead of four streams 16 * K bytes apart.
+// The AMX kernel's layout (N * K bf16): panels of 16 columns, [K/2][16][2] each (one B tile per 16
+// k-pairs). N % 64 == 0, K % 2 == 0.
+extern "C" void gemm_bf16_pack(const uint16_t* W, int64_t N, int64_t K, uint16_t* packed) {
+    pack_pairs(W, N, K, packed, 16);
+}
+
+// gemm_bf16's layout: per 64 columns [K/2][4][16][2], i.e. gemm_bf16_pack's four panels
+// interleaved by K step, so that a tile reads its weight as one forward stream of 256-byte steps.
 extern "C" void gemm_bf16_pack_steps(const uint16_t* W, int64_t N, int64_t K, uint16_t* packed) {
-    const int64_t KP = K / 2;
-    #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < N / 64; ++nb)
-        for (int64_t kp = 0; kp < KP; ++kp)
-            for (int c = 0; c < 64; ++c) {
-                const int64_t n = nb * 64 + c;
-                uint16_t* d = packed + ((nb * KP + kp) * 64 + c) * 2;
-                d[0] = W[n * K + 2 * kp];
-                d[1] = W[n * K + 2 * kp + 1];
-            }
+    pack_pairs(W, N, K, packed, 64);
 }
 
 namespace {

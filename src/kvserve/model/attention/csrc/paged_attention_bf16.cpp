@@ -612,7 +612,7 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
     int decode_heads = segments ? hkv : 1;
     // Keys per part of a split decode, at least. attend_decode's item does every head's work
     // per key, so it splits at SPLIT_MIN key-heads: at batch 1 a 300-key context in 3 parts
-    // instead of one item on one thread (0.43 -> 0.3 ms of a step's attention, session 31).
+    // instead of one item on one thread (0.43 -> 0.37 ms of a step's attention, session 31).
     int64_t split_min = SPLIT_MIN;
     if (segments) split_min = std::max<int64_t>(CHUNK, SPLIT_MIN / hkv);
 #ifdef KVS_HAVE_AMX
@@ -684,13 +684,18 @@ void paged_attention(const uint16_t* q, uint16_t* out, const int64_t* q_start, c
             amx_scratch->configured = 0;
         }
 #endif
-        std::vector<float> dec_f((size_t)hq * (DH + 3));
-        std::vector<uint16_t> dec_pb((size_t)hq * DSEG);
-        uint32_t* dec_sc = (uint32_t*)aligned_alloc(64, sizeof(float) * hq * DSEG + sizeof(uint32_t) * hkv * 8 * DH);
-        DecodeScratch dec{nullptr, dec_pb.data(), dec_f.data(), dec_f.data() + (size_t)hq * DH,
-                          dec_f.data() + (size_t)hq * (DH + 1), dec_f.data() + (size_t)hq * (DH + 2),
-                          dec_sc + (size_t)hq * DSEG};
-        if (segments && decode_heads == hkv) dec.sc = (float*)dec_sc;
+        std::vector<float> dec_f;
+        std::vector<uint16_t> dec_pb;
+        uint32_t* dec_sc = nullptr;  // scores, then the staged V
+        DecodeScratch dec{};
+        if (segments && decode_heads == hkv) {
+            dec_f.resize((size_t)hq * (DH + 3));
+            dec_pb.resize((size_t)hq * DSEG);
+            dec_sc = (uint32_t*)aligned_alloc(64, sizeof(float) * hq * DSEG + sizeof(uint32_t) * hkv * 8 * DH);
+            dec = {(float*)dec_sc, dec_pb.data(), dec_f.data(), dec_f.data() + (size_t)hq * DH,
+                   dec_f.data() + (size_t)hq * (DH + 1), dec_f.data() + (size_t)hq * (DH + 2),
+                   dec_sc + (size_t)hq * DSEG};
+        }
         const Scratch scratch{kscr, vscr, acc.data(), m.data(), l.data(), alpha.data(), sc, pb.data(), qT, O, pp,
                               amx_scratch, dec};
         int64_t qrow[TILE], qpos[TILE];
