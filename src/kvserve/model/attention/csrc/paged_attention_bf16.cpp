@@ -51,6 +51,35 @@ constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;  // t
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
+// r[i] (16 floats or 32-bit words) <- column i of the 16 x 16 matrix whose rows were r[0..15]:
+// attend_tile's rows go into the lanes and back this way (64 shuffles a block, where a scalar
+// loop moved every word on its own).
+inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        u[4 * i] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
+        u[4 * i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
+        u[4 * i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
+        u[4 * i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+        r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+
 // Scores of R rows against 16 keys: sc[r][t] = q_r . k_t (unscaled). kt: the keys' d-pairs, pair j
 // at kt + j * kstride (16 uint32 lanes = 16 keys).
 template <int R, int NP>
@@ -352,17 +381,26 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
     constexpr int DB = RV <= 3 ? 8 : 4;  // d's per P.V register block
     const int rows = ntok * g;
     // Row r (lane r % 16 of vector r / 16) = tile token r / g, query head h * g + r % g.
-    uint32_t* qt = (uint32_t*)qT;
     float* of = (float*)O;
     auto lane = [](int r, int i) { return (i * RV + r / 16) * 16 + r % 16; };  // element i of row r
-    memset(qt, 0, sizeof(__m512i) * NP * RV);
+    static_assert(NP % 16 == 0, "q's d-pairs go into the lanes 16 at a time");
     alignas(64) int32_t posl[RV * 16];
     alignas(64) float ml[RV * 16], ll[RV * 16];
     for (int r = 0; r < RV * 16; ++r) { posl[r] = -1; ml[r] = -INFINITY; ll[r] = 0.f; }  // pad lanes see nothing
-    for (int r = 0; r < rows; ++r) {
-        const uint32_t* src = (const uint32_t*)(q + qrow[r / g] * q_stride + (int64_t)(h * g + r % g) * DH);
-        for (int j = 0; j < NP; ++j) qt[lane(r, j)] = src[j];
-        posl[r] = (int32_t)qpos[r / g];
+    for (int v = 0; v < RV; ++v) {  // rows 16v .. 16v + 15 into the lanes of qT[j * RV + v]
+        const uint32_t* src[16];
+        for (int rr = 0; rr < 16; ++rr) {
+            const int r = 16 * v + rr;
+            src[rr] = r < rows ? (const uint32_t*)(q + qrow[r / g] * q_stride + (int64_t)(h * g + r % g) * DH) : nullptr;
+            if (r < rows) posl[r] = (int32_t)qpos[r / g];
+        }
+        for (int j0 = 0; j0 < NP; j0 += 16) {
+            __m512 m[16];
+            for (int rr = 0; rr < 16; ++rr)
+                m[rr] = src[rr] ? _mm512_loadu_ps((const float*)(src[rr] + j0)) : _mm512_setzero_ps();
+            transpose16(m);
+            for (int i = 0; i < 16; ++i) qT[(j0 + i) * RV + v] = (__m512i)m[i];
+        }
     }
     auto row_state = [&](int r) { return state_row<DH>(state, r, g, h); };
     memset(of, 0, sizeof(__m512) * DH * RV);
@@ -456,20 +494,24 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
         _mm512_store_ps(ml + 16 * v, m[v]);
         _mm512_store_ps(ll + 16 * v, l[v]);
     }
-    for (int r = 0; r < rows; ++r) {
-        if (mode == STORE) {
-            float* st = row_state(r);
-            st[0] = ml[r]; st[1] = ll[r];
-            for (int d = 0; d < DH; ++d) st[2 + d] = of[lane(r, d)];
-            continue;
+    for (int v = 0; v < RV && 16 * v < rows; ++v)  // O's lanes back into rows, 16 d's at a time
+        for (int d0 = 0; d0 < DH; d0 += 16) {
+            __m512 m[16];
+            for (int i = 0; i < 16; ++i) m[i] = O[(d0 + i) * RV + v];
+            transpose16(m);  // m[rr]: d0 .. d0 + 15 of row 16v + rr
+            for (int rr = 0; rr < 16 && 16 * v + rr < rows; ++rr) {
+                const int r = 16 * v + rr;
+                if (mode == STORE) {
+                    float* st = row_state(r);
+                    st[0] = ml[r]; st[1] = ll[r];
+                    _mm512_storeu_ps(st + 2 + d0, m[rr]);
+                    continue;
+                }
+                const __m512 inv = _mm512_set1_ps(ll[r] > 0.f ? 1.f / ll[r] : 0.f);
+                uint16_t* dst = out + qrow[r / g] * out_stride + (int64_t)(h * g + r % g) * DH + d0;
+                _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(m[rr], inv)));
+            }
         }
-        alignas(64) float row[DH];
-        const float inv = ll[r] > 0.f ? 1.f / ll[r] : 0.f;
-        for (int d = 0; d < DH; ++d) row[d] = of[lane(r, d)] * inv;
-        uint16_t* dst = out + qrow[r / g] * out_stride + (int64_t)(h * g + r % g) * DH;
-        for (int c = 0; c < DH / 16; ++c)
-            _mm256_storeu_si256((__m256i*)(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + 16 * c)));
-    }
 }
 
 #ifndef KVS_HAVE_AMX
