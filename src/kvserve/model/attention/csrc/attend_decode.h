@@ -16,17 +16,12 @@
 //      segment's V was prefetched during step 1, so it comes from L2.
 // Same arithmetic as attend_item (bf16 products into float32, base-2 softmax, p rounded to bf16
 // before P.V); only the points where the running max is folded in differ.
-// Included by paged_attention_bf16.cpp inside its anonymous namespace (key_span, Mode, exp2_512).
+// Included by paged_attention_bf16.cpp inside its anonymous namespace (qk_rows, key_span, Mode,
+// exp2_512).
 #pragma once
 
 constexpr int DSEG = 256;  // keys per segment: K + V of 3 heads x 256 keys = 192 KB, in L2
 constexpr int DPF = 2;     // 16-key groups between the q.k in hand and the keys it asks for
-
-// A prefetch into L2 that the compiler must keep: GCC 12 deleted calls of a lambda whose body
-// was only __builtin_prefetch (it deems them free of side effects), so this kernel's first
-// build asked for nothing. T1 measured the same as T0 here (session 31); L2 is where a V line
-// has to wait until step 3.
-inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
 
 struct DecodeScratch {
     float* sc;      // [hq][DSEG] scores, scaled to base 2
@@ -37,34 +32,6 @@ struct DecodeScratch {
     float* alpha;   // [hq] this segment's rescale factors
     uint32_t* vstage;  // [hkv][8][DH] a partly visible group's V, hidden keys zeroed
 };
-
-// Scores of R rows against the 16 keys at kt (pair j at kt + j * kstride), times vscale, into
-// sc + r * DSEG. pfk / pfv (unless null): one head's K (same stride) and V (contiguous) of the
-// group DPF ahead, asked for a line of each per d-pair.
-template <int R, int NP>
-inline void decode_qk(const uint32_t* kt, int64_t kstride, const uint32_t* q, float* sc, __m512 vscale,
-                      const uint32_t* pfk, const uint32_t* pfv) {
-    constexpr int A = R >= 4 ? 2 : 4;  // accumulators per row: R * A independent chains
-    static_assert(NP % A == 0, "d-pairs must split evenly over the accumulators");
-    __m512 s[R][A];
-    for (int r = 0; r < R; ++r)
-        for (int a = 0; a < A; ++a) s[r][a] = _mm512_setzero_ps();
-    for (int j = 0; j < NP; j += A)
-        for (int a = 0; a < A; ++a) {
-            if (pfk) {  // NP lines of K and NP of V (8 pairs x DH words = 16 * NP words)
-                prefetch_l2(pfk + (j + a) * kstride);
-                prefetch_l2(pfv + 16 * (j + a));
-            }
-            const __m512bh k = as_bh(_mm512_loadu_si512(kt + (j + a) * kstride));
-            for (int r = 0; r < R; ++r)
-                s[r][a] = _mm512_dpbf16_ps(s[r][a], k, as_bh(_mm512_set1_epi32((int)q[r * NP + j + a])));
-        }
-    for (int r = 0; r < R; ++r) {
-        __m512 t = s[r][0];
-        for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, s[r][a]);
-        _mm512_store_ps(sc + r * DSEG, _mm512_mul_ps(t, vscale));
-    }
-}
 
 // acc_r = alpha_r * acc_r + sum over the segment's groups of p_r . v for R rows. vg[i]: group i's
 // 8 key pairs (pair u at vg[i] + u * DH); pb + r * DSEG: row r's bf16 probabilities.
@@ -145,10 +112,10 @@ void attend_decode(const uint16_t* qtok, uint16_t* otok, const uint16_t* k_cache
             for (int h = 0; h < nh; ++h)
                 for_row_groups_of<4>(g, [&](auto R, int r0) {
                     const bool on = ahead && r0 == 0;
-                    decode_qk<decltype(R)::value, NP>(sp.k + (int64_t)h * NP * bs, bs, q32 + (int64_t)(h * g + r0) * NP,
-                                                      w.sc + (int64_t)(h * g + r0) * DSEG + 16 * i, vscale,
-                                                      on ? pf.k + (int64_t)h * NP * bs : nullptr,
-                                                      pf.v + (int64_t)h * (bs / 2) * DH);
+                    qk_rows<decltype(R)::value, NP, DSEG>(sp.k + (int64_t)h * NP * bs, bs, q32 + (int64_t)(h * g + r0) * NP,
+                                                          w.sc + (int64_t)(h * g + r0) * DSEG + 16 * i, vscale,
+                                                          on ? pf.k + (int64_t)h * NP * bs : nullptr,
+                                                          pf.v + (int64_t)h * (bs / 2) * DH);
                 });
         }
         // The segment's first and last groups may hold keys outside [key_begin, key_end).

@@ -80,10 +80,19 @@ inline void transpose16(__m512 r[16]) {
     }
 }
 
-// Scores of R rows against 16 keys: sc[r][t] = q_r . k_t (unscaled). kt: the keys' d-pairs, pair j
-// at kt + j * kstride (16 uint32 lanes = 16 keys).
-template <int R, int NP>
-inline void qk_rows(const uint32_t* kt, int64_t kstride, const uint32_t* q, float* sc) {
+// A prefetch into L2 that the compiler must keep: GCC 12 deleted calls of a lambda whose body
+// was only __builtin_prefetch (it deems them free of side effects), so attend_decode's first
+// build asked for nothing (bench/NOTES.md, session 31).
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
+
+// Scores of R rows against 16 keys: sc[r * STRIDE + t] = q_r . k_t times vscale (attend_item:
+// unscaled). kt: the keys' d-pairs, pair j at kt + j * kstride (16 uint32 lanes = 16 keys).
+// pfk / pfv (unless null): K lines at the same stride and contiguous V lines to ask for, one of
+// each per d-pair, spread over the products (attend_decode's keys a few groups ahead).
+template <int R, int NP, int STRIDE = CHUNK>
+inline void qk_rows(const uint32_t* kt, int64_t kstride, const uint32_t* q, float* sc,
+                    __m512 vscale = _mm512_set1_ps(1.f), const uint32_t* pfk = nullptr,
+                    const uint32_t* pfv = nullptr) {
     constexpr int A = R >= 4 ? 2 : 4;  // accumulators per row (must divide NP)
     static_assert(NP % A == 0, "d-pairs must split evenly over the accumulators");
     __m512 s[R][A];
@@ -91,6 +100,10 @@ inline void qk_rows(const uint32_t* kt, int64_t kstride, const uint32_t* q, floa
         for (int a = 0; a < A; ++a) s[r][a] = _mm512_setzero_ps();
     for (int j = 0; j < NP; j += A)
         for (int a = 0; a < A; ++a) {
+            if (pfk) {
+                prefetch_l2(pfk + (j + a) * kstride);
+                prefetch_l2(pfv + 16 * (j + a));
+            }
             const __m512bh k = as_bh(_mm512_loadu_si512(kt + (j + a) * kstride));
             for (int r = 0; r < R; ++r)
                 s[r][a] = _mm512_dpbf16_ps(s[r][a], k, as_bh(_mm512_set1_epi32((int)q[r * NP + j + a])));
@@ -98,7 +111,7 @@ inline void qk_rows(const uint32_t* kt, int64_t kstride, const uint32_t* q, floa
     for (int r = 0; r < R; ++r) {
         __m512 t = s[r][0];
         for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, s[r][a]);
-        _mm512_store_ps(sc + r * CHUNK, t);
+        _mm512_store_ps(sc + r * STRIDE, _mm512_mul_ps(t, vscale));
     }
 }
 
