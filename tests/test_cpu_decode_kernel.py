@@ -155,6 +155,25 @@ def _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, block_size, rng)
     return cache, tables
 
 
+def _decodes_over_history(seq_lens, seed, peak_every, peak):
+    """One decode per sequence (9 / 3 heads, d 64, block 16) over a NaN-filled scattered cache
+    holding its history, every `peak_every`-th key scaled by `peak`; with the float64 reference.
+    Returns cache, meta, q, the history's K and V, each decode's row in them, and the reference."""
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    torch.manual_seed(seed)
+    cache, tables = _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, bs, random.Random(seed))
+    hist = build_attention_metadata([0] * len(seq_lens), seq_lens, tables, bs)
+    hist_k = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
+    hist_k[::peak_every] *= peak
+    hist_v = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
+    cache.write(1, hist.slot_mapping, hist_k, hist_v)
+    meta = build_attention_metadata([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, bs)
+    last = torch.tensor([hist.query_start_loc[i + 1] - 1 for i in range(len(seq_lens))])
+    q = torch.randn(len(seq_lens), heads, head_dim).bfloat16()
+    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads)
+    return cache, meta, q, hist_k, hist_v, last, ref
+
+
 @varlen_available
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, None), (9, 3, 64, 48, None), (4, 2, 128, 32, None), (4, 4, 64, 16, 20),
@@ -197,18 +216,9 @@ def test_small_batch_decodes_split_their_keys_and_match_float64(seq_lens):
     256 keys each), saves every part's softmax state and merges them. With 4 threads a context of
     3,000 keys goes in 3 parts; with 1 thread nothing is split. Both match float64 and each other
     up to the bf16 rounding of the probabilities and the output."""
-    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
-    torch.manual_seed(len(seq_lens))
-    cache, tables = _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, bs, random.Random(len(seq_lens)))
-    hist = build_attention_metadata([0] * len(seq_lens), seq_lens, tables, bs)
-    hist_k = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
-    hist_k[::97] *= 8  # a few peaky keys, so the parts' maxima differ
-    hist_v = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
-    cache.write(1, hist.slot_mapping, hist_k, hist_v)
-    meta = build_attention_metadata([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, bs)
-    last = torch.tensor([hist.query_start_loc[i + 1] - 1 for i in range(len(seq_lens))])
-    q = torch.randn(len(seq_lens), heads, head_dim).bfloat16()
-    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads)
+    heads, kv_heads, head_dim = 9, 3, 64
+    # A few peaky keys, so the parts' maxima differ.
+    cache, meta, q, hist_k, hist_v, last, ref = _decodes_over_history(seq_lens, len(seq_lens), 97, 8)
     outs = {}
     threads = torch.get_num_threads()
     try:
@@ -351,19 +361,10 @@ def test_segmented_decode_matches_the_chunked_one(monkeypatch):
     chunk). Same products, same float64 distance; only where the running maximum is folded in
     differs, so the two agree to a few bf16 ulps. Contexts end mid-group and mid-segment, over
     NaN-filled spare slots that neither may read."""
-    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    heads, kv_heads, head_dim = 9, 3, 64
     seq_lens = [1, 15, 16, 17, 255, 256, 257, 600, 1000, 33] * 2  # 20 decodes: no split
-    torch.manual_seed(11)
-    cache, tables = _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, bs, random.Random(11))
-    hist = build_attention_metadata([0] * len(seq_lens), seq_lens, tables, bs)
-    hist_k = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
-    hist_k[::53] *= 6  # peaky keys: the running maximum moves within and across segments
-    hist_v = torch.randn(hist.num_tokens, kv_heads, head_dim).bfloat16()
-    cache.write(1, hist.slot_mapping, hist_k, hist_v)
-    meta = build_attention_metadata([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, bs)
-    last = torch.tensor([hist.query_start_loc[i + 1] - 1 for i in range(len(seq_lens))])
-    q = torch.randn(len(seq_lens), heads, head_dim).bfloat16()
-    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads)
+    # Peaky keys: the running maximum moves within and across segments.
+    cache, meta, q, hist_k, hist_v, last, ref = _decodes_over_history(seq_lens, 11, 53, 6)
     outs, errs = {}, {}
     monkeypatch.setenv("KVSERVE_AMX_ATTENTION", "0")  # on AMX CPUs too: both paths are the dot products'
     for segments in ("1", "0"):
