@@ -16,8 +16,8 @@
 //      segment's V was prefetched during step 1, so it comes from L2.
 // Same arithmetic as attend_item (bf16 products into float32, base-2 softmax, p rounded to bf16
 // before P.V); only the points where the running max is folded in differ.
-// Included by paged_attention_bf16.cpp inside its anonymous namespace (qk_rows, key_span, Mode,
-// exp2_512).
+// Included by paged_attention_bf16.cpp inside its anonymous namespace (qk_rows,
+// for_row_groups, key_span, Mode, exp2_512).
 #pragma once
 
 constexpr int DSEG = 256;  // keys per segment: K + V of 3 heads x 256 keys = 192 KB, in L2
@@ -59,19 +59,6 @@ inline void decode_pv(const uint32_t* const* vg, int ngroups, const uint16_t* pb
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + r * DH + 16 * c, o[r][c]);
 }
 
-// Calls f(Int<R>, first_row) over `rows` in groups of MAXR (<= 4), then the remainder as one group.
-template <int MAXR, typename F>
-inline void for_row_groups_of(int rows, F f) {
-    int r = 0;
-    for (; r + MAXR <= rows; r += MAXR) f(Int<MAXR>{}, r);
-    switch (rows - r) {
-        case 3: if constexpr (MAXR > 3) f(Int<3>{}, r); break;
-        case 2: if constexpr (MAXR > 2) f(Int<2>{}, r); break;
-        case 1: if constexpr (MAXR > 1) f(Int<1>{}, r); break;
-        default: break;
-    }
-}
-
 // Keys [key_begin, key_end) of heads h0 .. h0 + nh - 1 for the token whose q row is qtok (all hq
 // heads) and whose output row is otok. mode / state as attend_item: state0 holds one (m, l,
 // acc[DH]) record per query head of the token.
@@ -110,7 +97,7 @@ void attend_decode(const uint16_t* qtok, uint16_t* otok, const uint16_t* k_cache
             const KeySpan sp = key_span<DH>(k32, v32, table, p0, h0, hkv, bs);
             const KeySpan pf = ahead ? key_span<DH>(k32, v32, table, p0 + DPF * 16, h0, hkv, bs) : sp;
             for (int h = 0; h < nh; ++h)
-                for_row_groups_of<4>(g, [&](auto R, int r0) {
+                for_row_groups(g, [&](auto R, int r0) {
                     const bool on = ahead && r0 == 0;
                     qk_rows<decltype(R)::value, NP, DSEG>(sp.k + (int64_t)h * NP * bs, bs, q32 + (int64_t)(h * g + r0) * NP,
                                                           w.sc + (int64_t)(h * g + r0) * DSEG + 16 * i, vscale,
@@ -163,19 +150,18 @@ void attend_decode(const uint16_t* qtok, uint16_t* otok, const uint16_t* k_cache
             }
             // Only the item's last group can hold slots past key_end; keys before key_begin
             // are real keys with probability 0.
-            const __mmask16 last_vis = in_last;
             uint32_t* stage = w.vstage + (int64_t)h * 8 * DH;
-            if (last_vis != 0xFFFF) {
+            if (in_last != 0xFFFF) {
                 for (int u = 0; u < 8; ++u) {
-                    const uint32_t bits = ((last_vis >> (2 * u)) & 1 ? 0x55555555u : 0u) |
-                                          ((last_vis >> (2 * u + 1)) & 1 ? 0xaaaaaaaau : 0u);
+                    const uint32_t bits = ((in_last >> (2 * u)) & 1 ? 0x55555555u : 0u) |
+                                          ((in_last >> (2 * u + 1)) & 1 ? 0xaaaaaaaau : 0u);
                     for (int c = 0; c < NV; ++c)
                         _mm512_storeu_si512(stage + u * DH + 16 * c,
                                             _mm512_maskz_loadu_epi16((__mmask32)bits, vg[ngroups - 1] + u * DH + 16 * c));
                 }
                 vg[ngroups - 1] = stage;
             }
-            for_row_groups_of<MAXR>(g, [&](auto R, int r0) {
+            for_row_groups<MAXR>(g, [&](auto R, int r0) {
                 const int r = h * g + r0;
                 decode_pv<decltype(R)::value, NV>(vg, ngroups, w.pb + (int64_t)r * DSEG, alpha + r, w.acc + (int64_t)r * DH);
             });

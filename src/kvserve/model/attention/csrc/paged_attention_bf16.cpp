@@ -141,15 +141,16 @@ inline void pv_rows(const uint32_t* const* vh, const uint16_t* pb, const float* 
 
 template <int N> using Int = std::integral_constant<int, N>;
 
-// Calls f(Int<R>, first_row) over rows in groups of 4, then the remainder as one group.
-template <typename F>
+// Calls f(Int<R>, first_row) over rows in groups of MAXR (<= 4), then the remainder as one group.
+template <int MAXR = 4, typename F>
 inline void for_row_groups(int rows, F f) {
+    static_assert(MAXR >= 1 && MAXR <= 4, "row groups of 1 to 4");
     int r = 0;
-    for (; r + 4 <= rows; r += 4) f(Int<4>{}, r);
+    for (; r + MAXR <= rows; r += MAXR) f(Int<MAXR>{}, r);
     switch (rows - r) {
-        case 3: f(Int<3>{}, r); break;
-        case 2: f(Int<2>{}, r); break;
-        case 1: f(Int<1>{}, r); break;
+        case 3: if constexpr (MAXR > 3) f(Int<3>{}, r); break;
+        case 2: if constexpr (MAXR > 2) f(Int<2>{}, r); break;
+        case 1: if constexpr (MAXR > 1) f(Int<1>{}, r); break;
         default: break;
     }
 }
