@@ -79,8 +79,7 @@ extern "C" void gemm_bf16_pack(const uint16_t* W, int64_t N, int64_t K, uint16_t
     pack_pairs(W, N, K, packed, 16);
 }
 
-// gemm_bf16's layout: per 64 columns [K/2][4][16][2], i.e. gemm_bf16_pack's four panels
-// interleaved by K step, so that a tile reads its weight as one forward stream of 256-byte steps.
+// gemm_bf16's layout (the file's header says why): per 64 columns [K/2][4][16][2].
 extern "C" void gemm_bf16_pack_steps(const uint16_t* W, int64_t N, int64_t K, uint16_t* packed) {
     pack_pairs(W, N, K, packed, 64);
 }

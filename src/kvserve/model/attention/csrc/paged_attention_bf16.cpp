@@ -517,7 +517,7 @@ void attend_tile(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
                 const int r = 16 * v + rr;
                 if (mode == STORE) {
                     float* st = row_state(r);
-                    st[0] = ml[r]; st[1] = ll[r];
+                    if (d0 == 0) { st[0] = ml[r]; st[1] = ll[r]; }
                     _mm512_storeu_ps(st + 2 + d0, m[rr]);
                     continue;
                 }
