@@ -325,6 +325,34 @@ def test_compiled_decoder_equals_the_python_layer_loop(window, mixed):
     assert groups > 0 or window is not None, "the schedule should have exercised the cascade path"
 
 
+@pytest.mark.parametrize("dtype,compiled", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
+def test_forward_of_some_rows_equals_those_rows_of_the_whole(dtype, compiled):
+    """`out_rows`: the last layer's o projection and MLP run on those rows only (a prefill
+    chunk's last row), in the compiled layer loop and the Python one. Their hidden states must be
+    the rows of the whole forward, bit for bit in bf16 (the GEMM kernels' sums for a row do not
+    depend on the other rows), and the cache (every row's K and V) the same; no rows at all (a
+    chunk that does not finish its prompt) returns an empty tensor. float32 goes through
+    torch's matmul, whose blocking (and so its last bits) depends on the row count."""
+    model, _ = make("llama_d64", 16, dtype)
+    layout = model.attn.kv_cache_layout("auto", dtype, 16, torch.device("cpu"))
+    caches = [PagedKVCache(model.config, num_blocks=24, block_size=16, dtype=dtype, layout=layout) for _ in range(2)]
+    if compiled and model.compiled_decoder(caches[0]) is None:
+        pytest.skip("no compiled decoder here (needs the bf16 kernels: AVX512-BF16 and a compiler)")
+    model.use_compiled_decoder = compiled
+    for n, (start, qlens, tables, ids) in enumerate(_shared_prefix_schedule()):
+        meta = build_attention_metadata(start, qlens, tables, 16)
+        ends = meta.query_start_loc[1:]
+        rows = [] if n == 0 else [e - 1 for e in ends][:: 2 if n % 2 else 1]
+        whole = model.forward(torch.tensor(ids), meta.positions, meta, caches[0])
+        some = model.forward(torch.tensor(ids), meta.positions, meta, caches[1], torch.tensor(rows, dtype=torch.long))
+        assert some.shape == (len(rows), whole.shape[1])
+        if dtype == torch.bfloat16:
+            assert torch.equal(some, whole[rows]), (start, qlens, rows)
+        else:
+            torch.testing.assert_close(some, whole[rows], rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[0].kv, caches[1].kv)
+
+
 # ---- the runner: greedy generation token for token, copy-on-write through block_copies ----
 
 class HandScheduler:
@@ -399,6 +427,34 @@ def test_runner_block_copy_then_continue_matches_hf():
     logits = runner.model.compute_logits(runner.model.forward(
         torch.tensor(b.all_token_ids[28:]), meta.positions, meta, runner.kv_cache))
     assert (logits[0] - ref).abs().max() < TOL
+
+
+def test_runner_asks_only_for_the_rows_it_samples(monkeypatch):
+    """A prompt chunk's rows that neither sample nor score a prompt token are left out of the
+    last layer's o projection and MLP (`out_rows`); a step where every row samples, or one with
+    a prompt_logprobs request (which scores every row), asks for all of them. The sampled token
+    is HF's greedy one either way."""
+    name = "llama_gqa"
+    runner = runner_for(name, block_size=16)
+    asked = []
+    forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda *a: asked.append(a[4] if len(a) > 4 else None) or forward(*a))
+    a = Request("a", tokens(60, 20), SamplingParams(temperature=0.0))
+    b = Request("b", tokens(61, 9), SamplingParams(temperature=0.0))
+    out = runner.execute(SchedulerOutput([ScheduledRequest(a, 0, 20, [0, 1], sample=True),
+                                          ScheduledRequest(b, 0, 5, [2], sample=False)]))
+    assert asked[-1].tolist() == [19]
+    assert out.sampled["a"].token_id == int(hf_logits(name, tuple(a.prompt_token_ids))[-1].argmax())
+    assert runner.execute(SchedulerOutput([ScheduledRequest(b, 5, 4, [2], sample=False)])).sampled == {}
+    assert asked[-1].tolist() == []
+    a.append_output_token(out.sampled["a"].token_id)
+    c = Request("c", tokens(62, 6), SamplingParams(temperature=0.0, prompt_logprobs=1))
+    out = runner.execute(SchedulerOutput([ScheduledRequest(a, 20, 1, [0, 1], sample=True),
+                                          ScheduledRequest(c, 0, 6, [3], sample=True)]))
+    assert asked[-1] is None and len(out.prompt_logprobs["c"].logprobs) == 5
+    a.append_output_token(out.sampled["a"].token_id)
+    runner.execute(SchedulerOutput([ScheduledRequest(a, 21, 1, [0, 1], sample=True)]))
+    assert asked[-1] is None
 
 
 def test_runner_rejects_bad_block_table():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
@@ -104,25 +105,24 @@ class ModelRunner:
                                                  len(sched)),
                                      np.fromiter((s.start_pos for s in sched), np.int64, len(sched)),
                                      [s.block_table for s in sched])
-            query_start_loc = range(len(sched) + 1)
+            logit_rows, trimmed = self._logit_rows(out, range(len(sched) + 1)), False
             prompt_lps = {}
         else:
             input_ids, meta = self.build_metadata(out)
-            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
-            query_start_loc = meta.query_start_loc
-            prompt_lps = self._prompt_logprobs(out, hidden, meta)
+            logit_rows = self._logit_rows(out, meta.query_start_loc)
+            trimmed = self._trims(out, logit_rows, meta.num_tokens)
+            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache,
+                                        torch.tensor(logit_rows, dtype=torch.long, device=self.device) if trimmed else None)
+            prompt_lps = {} if trimmed else self._prompt_logprobs(out, hidden, meta)
         self.kv_cache.finish_step()
 
         sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample and not s.spec_token_ids]
         guessing = [(i, s) for i, s in enumerate(out.scheduled) if s.spec_token_ids]
         if not sampling and not guessing:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps)
-        # Sampled rows first, then every row of each speculated entry (the greedy token at each
-        # position checks the guess there), so that both are row slices of one lm_head call.
-        row_ids = [query_start_loc[i + 1] - 1 for i, _ in sampling]
-        for i, _ in guessing:
-            row_ids.extend(range(query_start_loc[i], query_start_loc[i + 1]))
-        logits = self.model.compute_logits(hidden[torch.tensor(row_ids, device=self.device)], float32=False)
+        if not trimmed:
+            hidden = hidden[torch.tensor(logit_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden, float32=False)
         rows = [SamplingRow(s.request.request_id, s.request.sampling_params, s.request.prompt_token_ids,
                             s.request.output_token_ids, s.request.eos_token_ids) for _, s in sampling]
         tokens = self.sampler(logits[:len(rows)], rows)
@@ -134,6 +134,26 @@ class ModelRunner:
                 result.spec_tokens[s.request.request_id] = greedy[at:at + s.num_new_tokens]
                 at += s.num_new_tokens
         return result
+
+    @staticmethod
+    def _logit_rows(out: SchedulerOutput, query_start_loc: Sequence[int]) -> list[int]:
+        """The rows lm_head scores: sampled rows first, then every row of each speculated entry
+        (the greedy token at each position checks the guess there), so that both are row slices
+        of one lm_head call."""
+        rows = [query_start_loc[i + 1] - 1 for i, s in enumerate(out.scheduled) if s.sample and not s.spec_token_ids]
+        for i, s in enumerate(out.scheduled):
+            if s.spec_token_ids:
+                rows.extend(range(query_start_loc[i], query_start_loc[i + 1]))
+        return rows
+
+    @staticmethod
+    def _trims(out: SchedulerOutput, logit_rows: list[int], num_tokens: int) -> bool:
+        """Whether the forward returns only logit_rows (LlamaModel.forward's out_rows): where
+        they are fewer than the step's rows (a prompt chunk's other rows), no request scores
+        its prompt, and they ascend (the compiled layer loop gathers them in place)."""
+        return (len(logit_rows) < num_tokens
+                and all(s.request.sampling_params.prompt_logprobs is None for s in out.scheduled)
+                and all(a < b for a, b in zip(logit_rows, logit_rows[1:])))
 
     def _replays(self, out: SchedulerOutput) -> bool:
         """Whether this step replays a decode graph: one token per sequence, a captured batch

@@ -50,7 +50,8 @@ class StepC(ctypes.Structure):  # decoder_bf16.cpp's DecoderStep
     _fields_ = [("T", _I64), ("h", _P), ("x", _P), ("qkv", _P), ("attn", _P), ("proj", _P), ("act", _P),
                 ("cos", _P), ("sin_signed", _P), ("slots", _P), ("n", _INT), ("q_start", _P), ("q_len", _P),
                 ("block_tables", _P), ("bt_stride", _I64), ("seq_lens", _P), ("block_size", _INT),
-                ("ngroups", _INT), ("group_start", _P), ("group_members", _P), ("group_prefix", _P)]
+                ("ngroups", _INT), ("group_start", _P), ("group_members", _P), ("group_prefix", _P),
+                ("out_rows", _P), ("n_out", _I64)]
 
 
 def _address(fn) -> int:
@@ -105,10 +106,11 @@ class CompiledDecoder:
         self.qkv_size = self.q_size + 2 * c.num_key_value_heads * c.head_dim
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slot_mapping: torch.Tensor,
-                plan: VarlenPlan) -> torch.Tensor:
+                plan: VarlenPlan, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """h: the embedded tokens `[T, hidden]` (the residual stream, updated in place); cos and
         sin_signed `[T, 1, head_dim]` (`LlamaModel.rope_cos_sin`); slot_mapping `[T]` int64; the
-        step's varlen arguments. Returns the final-normed hidden states `[T, hidden]`."""
+        step's varlen arguments; out_rows: strictly ascending int64 row indices, or None (all).
+        Returns the final-normed hidden states of those rows, `[len(out_rows) or T, hidden]`."""
         t, m = h.shape[0], self.model
         x = torch.empty_like(h)
         qkv = torch.empty(t, self.qkv_size, dtype=h.dtype)
@@ -121,9 +123,10 @@ class CompiledDecoder:
                      cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), plan.q_len.numel(),
                      plan.q_start.data_ptr(), plan.q_len.data_ptr(), plan.block_tables.data_ptr(),
                      plan.block_tables.shape[1], plan.seq_lens.data_ptr(), self.block_size, g.num_groups,
-                     g.start.ctypes.data, g.members.ctypes.data, g.prefix_len.ctypes.data)
+                     g.start.ctypes.data, g.members.ctypes.data, g.prefix_len.ctypes.data,
+                     None if out_rows is None else out_rows.data_ptr(), t if out_rows is None else out_rows.numel())
         rc = self._run(ctypes.byref(m), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"run_decoder_bf16: the attention kernel has no instance for block size "
                                f"{self.block_size} in this build (code {rc})")
-        return x
+        return x if out_rows is None else x[:out_rows.numel()]

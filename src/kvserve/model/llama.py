@@ -151,15 +151,20 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+                kv_cache: KVCache, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden], or of out_rows only
+        (strictly ascending int64 row indices on the model's device): the last layer's o
+        projection and MLP then run on those rows alone. A prompt chunk's other rows feed nothing
+        there (their K and V, all that later tokens read, come from the q/k/v projection): in a
+        prefill step that is 1/num_layers of the o and MLP work, the same for every row kept."""
         c = self.config
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
         decoder = self.compiled_decoder(kv_cache)
         if decoder is not None:
-            return decoder.forward(h, cos, sin, attn_metadata.slot_mapping, self.attn.varlen_plan(attn_metadata))
+            return decoder.forward(h, cos, sin, attn_metadata.slot_mapping, self.attn.varlen_plan(attn_metadata),
+                                   out_rows)
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         ops, eps = self.ops, c.rms_norm_eps
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
@@ -174,6 +179,10 @@ class LlamaModel:
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
             o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
+            if out_rows is not None and i + 1 == len(self.layers):
+                o, h, t = o[out_rows], h[out_rows], out_rows.numel()
+                if t == 0:
+                    return h
             x = ops.add_rms_norm(h, layer.o_proj(o.reshape(t, self.q_size)), layer.post_attn_norm, eps)
             act = layer.gate_up_proj(x)
             if layer.gate_up_proj.epilogue is None:

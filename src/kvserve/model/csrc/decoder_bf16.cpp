@@ -10,6 +10,7 @@
 // walks the layers. It is the CPU's counterpart of replaying a CUDA graph, without the static
 // buffers: the loop takes the step's pointers as they are.
 #include <stdint.h>
+#include <string.h>
 
 extern "C" void add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, int64_t delta_stride, const uint16_t* w,
                                   uint16_t* out, int64_t T, int64_t H, float eps);
@@ -87,11 +88,17 @@ struct DecoderStep {
     const int64_t* group_start;
     const int64_t* group_members;
     const int64_t* group_prefix;
+    // Rows whose final hidden states are wanted, strictly ascending (n_out < T), or null: all.
+    // The last layer's o projection and MLP run on those rows only: the other rows' outputs feed
+    // nothing (their K and V, what later tokens read, come from its q/k/v projection).
+    const int64_t* out_rows;
+    int64_t n_out;
 };
 
 // Returns 0, or the attention kernel's nonzero code (a build or block size it has no instance for).
 extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
-    const int64_t T = s->T, H = m->hidden, D = m->head_dim;
+    int64_t T = s->T;
+    const int64_t H = m->hidden, D = m->head_dim;
     const int64_t q_size = (int64_t)m->hq * D, kv_size = (int64_t)m->hkv * D, n_qkv = q_size + 2 * kv_size;
     add_rms_norm_bf16(s->h, nullptr, 0, m->layers[0].input_norm, s->x, T, H, m->eps);
     for (int i = 0; i < m->num_layers; ++i) {
@@ -105,6 +112,17 @@ extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
                                     m->scale, m->window, s->ngroups, s->group_start, s->group_members,
                                     s->group_prefix);
         if (rc != 0) return rc;
+        if (i + 1 == m->num_layers && s->out_rows && s->n_out < T) {
+            // Rows gathered in place: out_rows[r] >= r, so no row is read after it is overwritten.
+            for (int64_t r = 0; r < s->n_out; ++r) {
+                const int64_t from = s->out_rows[r];
+                if (from == r) continue;
+                memcpy(s->attn + r * q_size, s->attn + from * q_size, q_size * 2);
+                memcpy(s->h + r * H, s->h + from * H, H * 2);
+            }
+            T = s->n_out;
+            if (T == 0) return 0;
+        }
         L.o.gemm(s->attn, T, q_size, L.o.weight, H, s->proj, 0, nullptr, nullptr, 0, 0);
         add_rms_norm_bf16(s->h, s->proj, H, L.post_attn_norm, s->x, T, H, m->eps);
         L.gate_up.gemm(s->x, T, H, L.gate_up.weight, 2 * m->inter, s->act, m->gate_up_epilogue, nullptr, nullptr,
