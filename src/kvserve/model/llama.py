@@ -155,8 +155,8 @@ class LlamaModel:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden], or of out_rows only
         (strictly ascending int64 row indices on the model's device): the last layer's o
         projection and MLP then run on those rows alone. A prompt chunk's other rows feed nothing
-        there (their K and V, all that later tokens read, come from the q/k/v projection): in a
-        prefill step that is 1/num_layers of the o and MLP work, the same for every row kept."""
+        there (their K and V, all that later tokens read, come from the q/k/v projection), so a
+        prefill step skips 1/num_layers of its o and MLP work; the rows kept are unchanged."""
         c = self.config
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
