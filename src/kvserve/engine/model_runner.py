@@ -16,7 +16,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.engine.cuda_graph import DecodeGraphs, graphs_unsupported
-from kvserve.engine.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from kvserve.engine.scheduler_output import ModelRunnerOutput, PromptLogprobs, ScheduledRequest, SchedulerOutput
 from kvserve.model.attention.base import AttentionMetadata, build_attention_metadata
 from kvserve.model.attention.triton_backend import select_attention_backend
 from kvserve.model.host_alloc import tune_malloc_for_inference
@@ -99,25 +99,25 @@ class ModelRunner:
             self.sampler.forget(out.finished_req_ids)
         if out.is_empty:
             return ModelRunnerOutput()
+        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample and not s.spec_token_ids]
+        guessing = [(i, s) for i, s in enumerate(out.scheduled) if s.spec_token_ids]
         if self._replays(out):
             sched = out.scheduled
             hidden = self.graphs.run(np.fromiter((s.request.all_token_ids[s.start_pos] for s in sched), np.int64,
                                                  len(sched)),
                                      np.fromiter((s.start_pos for s in sched), np.int64, len(sched)),
                                      [s.block_table for s in sched])
-            logit_rows, trimmed = self._logit_rows(out, range(len(sched) + 1)), False
+            logit_rows, trimmed = self._logit_rows(sampling, guessing, range(len(sched) + 1)), False
             prompt_lps = {}
         else:
             input_ids, meta = self.build_metadata(out)
-            logit_rows = self._logit_rows(out, meta.query_start_loc)
+            logit_rows = self._logit_rows(sampling, guessing, meta.query_start_loc)
             trimmed = self._trims(out, logit_rows, meta.num_tokens)
             hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache,
                                         torch.tensor(logit_rows, dtype=torch.long, device=self.device) if trimmed else None)
             prompt_lps = {} if trimmed else self._prompt_logprobs(out, hidden, meta)
         self.kv_cache.finish_step()
 
-        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample and not s.spec_token_ids]
-        guessing = [(i, s) for i, s in enumerate(out.scheduled) if s.spec_token_ids]
         if not sampling and not guessing:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps)
         if not trimmed:
@@ -136,14 +136,14 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def _logit_rows(out: SchedulerOutput, query_start_loc: Sequence[int]) -> list[int]:
+    def _logit_rows(sampling: list[tuple[int, ScheduledRequest]], guessing: list[tuple[int, ScheduledRequest]],
+                    query_start_loc: Sequence[int]) -> list[int]:
         """The rows lm_head scores: sampled rows first, then every row of each speculated entry
         (the greedy token at each position checks the guess there), so that both are row slices
         of one lm_head call."""
-        rows = [query_start_loc[i + 1] - 1 for i, s in enumerate(out.scheduled) if s.sample and not s.spec_token_ids]
-        for i, s in enumerate(out.scheduled):
-            if s.spec_token_ids:
-                rows.extend(range(query_start_loc[i], query_start_loc[i + 1]))
+        rows = [query_start_loc[i + 1] - 1 for i, _ in sampling]
+        for i, _ in guessing:
+            rows.extend(range(query_start_loc[i], query_start_loc[i + 1]))
         return rows
 
     @staticmethod
