@@ -16,7 +16,7 @@
 //      segment's V was prefetched during step 1, so it comes from L2.
 // Same arithmetic as attend_item (bf16 products into float32, base-2 softmax, p rounded to bf16
 // before P.V); only the points where the running max is folded in differ.
-// Included by paged_attention_bf16.cpp inside its anonymous namespace (qk_rows,
+// Included by paged_attention_bf16.cpp inside its anonymous namespace (qk_rows, pv_rows,
 // for_row_groups, key_span, Mode, exp2_512).
 #pragma once
 
@@ -32,32 +32,6 @@ struct DecodeScratch {
     float* alpha;   // [hq] this segment's rescale factors
     uint32_t* vstage;  // [hkv][8][DH] a partly visible group's V, hidden keys zeroed
 };
-
-// acc_r = alpha_r * acc_r + sum over the segment's groups of p_r . v for R rows. vg[i]: group i's
-// 8 key pairs (pair u at vg[i] + u * DH); pb + r * DSEG: row r's bf16 probabilities.
-template <int R, int NV>
-inline void decode_pv(const uint32_t* const* vg, int ngroups, const uint16_t* pb, const float* alpha, float* acc) {
-    constexpr int DH = NV * 16;
-    __m512 o[R][NV];
-    for (int r = 0; r < R; ++r) {
-        const __m512 va = _mm512_set1_ps(alpha[r]);
-        for (int c = 0; c < NV; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * DH + 16 * c), va);
-    }
-    for (int i = 0; i < ngroups; ++i)
-        for (int u = 0; u < 8; ++u) {
-            const uint32_t* vu = vg[i] + u * DH;
-            __m512bh vv[NV];
-            for (int c = 0; c < NV; ++c) vv[c] = as_bh(_mm512_loadu_si512(vu + 16 * c));
-            for (int r = 0; r < R; ++r) {
-                uint32_t pair;
-                memcpy(&pair, pb + r * DSEG + 16 * i + 2 * u, 4);
-                const __m512bh pu = as_bh(_mm512_set1_epi32((int)pair));
-                for (int c = 0; c < NV; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], vv[c], pu);
-            }
-        }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + r * DH + 16 * c, o[r][c]);
-}
 
 // Keys [key_begin, key_end) of heads h0 .. h0 + nh - 1 for the token whose q row is qtok (all hq
 // heads) and whose output row is otok. mode / state as attend_item: state0 holds one (m, l,
@@ -163,7 +137,8 @@ void attend_decode(const uint16_t* qtok, uint16_t* otok, const uint16_t* k_cache
             }
             for_row_groups<MAXR>(g, [&](auto R, int r0) {
                 const int r = h * g + r0;
-                decode_pv<decltype(R)::value, NV>(vg, ngroups, w.pb + (int64_t)r * DSEG, alpha + r, w.acc + (int64_t)r * DH);
+                pv_rows<decltype(R)::value, NV, DSEG>(vg, ngroups, w.pb + (int64_t)r * DSEG, alpha + r,
+                                                      w.acc + (int64_t)r * DH);
             });
         }
     }

@@ -82,8 +82,10 @@ inline void transpose16(__m512 r[16]) {
 
 // A prefetch into L2 that the compiler must keep: GCC 12 deleted calls of a lambda whose body
 // was only __builtin_prefetch (it deems them free of side effects), so attend_decode's first
-// build asked for nothing (bench/NOTES.md, session 31).
-inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
+// build asked for nothing (bench/NOTES.md, session 31). The address goes in a register: as a
+// memory operand GCC must assume the asm reads memory, and keeps in memory any accumulator whose
+// address was taken (in gemm_bf16's tile that cost 2.6x, session 32).
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 (%0)" : : "r"(p)); }
 
 // Scores of R rows against 16 keys: sc[r * STRIDE + t] = q_r . k_t times vscale (attend_item:
 // unscaled). kt: the keys' d-pairs, pair j at kt + j * kstride (16 uint32 lanes = 16 keys).
@@ -115,21 +117,23 @@ inline void qk_rows(const uint32_t* kt, int64_t kstride, const uint32_t* q, floa
     }
 }
 
-// acc_r = alpha_r * acc_r + sum_t p_rt v_t for R rows (p as bf16 pairs). vh[half]: the 8 key pairs
-// of 16 keys, pair u at vh[half] + u * DH (16 d's per register, natural order).
-template <int R, int NV>
-inline void pv_rows(const uint32_t* const* vh, const uint16_t* pb, const float* alpha, float* acc) {
+// acc_r = alpha_r * acc_r + sum_t p_rt v_t for R rows over ngroups groups of 16 keys (p as bf16
+// pairs). vg[i]: group i's 8 key pairs, pair u at vg[i] + u * DH (16 d's per register, natural
+// order); pb + r * STRIDE: row r's bf16 probabilities (attend_item: a chunk; attend_decode: a
+// segment).
+template <int R, int NV, int STRIDE = CHUNK>
+inline void pv_rows(const uint32_t* const* vg, int ngroups, const uint16_t* pb, const float* alpha, float* acc) {
     constexpr int DH = NV * 16;
     __m512 o[R][NV];
     for (int r = 0; r < R; ++r) {
         const __m512 va = _mm512_set1_ps(alpha[r]);
         for (int c = 0; c < NV; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * DH + 16 * c), va);
     }
-    for (int u = 0; u < CHUNK / 2; ++u) {
-        const uint32_t* vu = vh[u / 8] + (u % 8) * DH;
+    for (int u = 0; u < 8 * ngroups; ++u) {  // key pair u: keys 2u, 2u + 1
+        const uint32_t* vu = vg[u / 8] + (u % 8) * DH;
         for (int r = 0; r < R; ++r) {
             uint32_t pair;
-            memcpy(&pair, pb + r * CHUNK + 2 * u, 4);
+            memcpy(&pair, pb + r * STRIDE + 2 * u, 4);
             const __m512bh pu = as_bh(_mm512_set1_epi32((int)pair));
             for (int c = 0; c < NV; ++c)
                 o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(_mm512_loadu_si512(vu + 16 * c)), pu);
@@ -360,7 +364,7 @@ void attend_item(const uint16_t* q, uint16_t* out, const int64_t* qrow, const in
                 _mm512_storeu_si512((__m512i*)&pb[r * CHUNK + 16 * i], (__m512i)_mm512_cvtne2ps_pbh(sv[i + 1], sv[i]));
         }
         for_row_groups(rows, [&](auto R, int r0) {
-            pv_rows<decltype(R)::value, NV>(vh, &pb[r0 * CHUNK], &alpha[r0], acc + (size_t)r0 * DH);
+            pv_rows<decltype(R)::value, NV>(vh, CHUNK / 16, &pb[r0 * CHUNK], &alpha[r0], acc + (size_t)r0 * DH);
         });
     }
     if (mode == STORE) {
