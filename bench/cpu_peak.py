@@ -1,4 +1,4 @@
-"""How close the linear layers run to this CPU's arithmetic peak, and what that leaves of issue 7's
+"""How close the linear layers run to this CPU's arithmetic peak, and what that leaves of the
 1.5x-vLLM target.
 
     python bench/cpu_peak.py

@@ -25,8 +25,8 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from kvserve.model import linear  # noqa: E402
 from kvserve.model.fused import ElementwiseOps  # noqa: E402
-from kvserve.model.host_alloc import tune_malloc_for_inference  # noqa: E402
 from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue  # noqa: E402
+from kvserve.ops.host_alloc import tune_malloc_for_inference  # noqa: E402
 
 LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 1536, 9, 3, 64
 
@@ -67,8 +67,9 @@ def kernel_rows(rows: list[int], repeat: int) -> list[dict]:
 
 
 def engine_ab(workload: str, rounds: int) -> dict:
-    from kvserve import LLM, SamplingParams
     from throughput import make_workloads
+
+    from kvserve import LLM, SamplingParams
     prompts, out_len = make_workloads(64, 49152)[workload]
     engines = {}
     order = linear._epilogue_order

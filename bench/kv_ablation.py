@@ -2,7 +2,7 @@
 
 Each variant is a function `encode(layer, name, x) -> x'` applied to whole sealed blocks
 `[nb, block_size, H, D]` (name is "k" or "v"); the open block stays full precision exactly as in
-kvserve.model.kv_cache_quant. Only perplexity/KL of bench/kv_quality.py's text metric is computed
+kvserve.cache.quantized. Only perplexity/KL of bench/kv_quality.py's text metric is computed
 (no greedy runs), so a variant costs one forward over the text.
 
     python bench/kv_ablation.py --tokens 1024 fp8 fp8_k_only fp8_v_only fp8_center_k
@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_quality  # noqa: E402
 
-from kvserve.kv import quant  # noqa: E402
-from kvserve.model.kv_cache_quant import QuantizedKVCache  # noqa: E402
+from kvserve.cache import quantizers as quant  # noqa: E402
+from kvserve.cache.quantized import QuantizedKVCache  # noqa: E402
 
 
 def fp8(x, kind="fp8_e4m3", dims=(1, 2, 3)):

@@ -1,7 +1,7 @@
 """What quantized KV costs in quality, and what it buys in memory, on the embedded SmolLM2-135M.
 
 For every KV variant, against float32 KV (`auto`) on the same weights, through the engine's own
-path (LlamaModel.forward -> TorchAttentionBackend -> the paged KV cache, scattered block ids):
+path (LlamaModel.forward -> CPUAttentionBackend -> the paged KV cache, scattered block ids):
   - perplexity of bench/data/lighthouse_keepers.txt (~4.4k tokens) and its relative change,
   - mean KL(P_float32 || P_quant) of the next-token distributions over the same positions,
   - greedy agreement: 16 prompts x 256 new tokens; fraction identical, mean first divergence,
@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
+from kvserve.attention.base import build_attention_metadata
+from kvserve.cache.base import KVCache
+from kvserve.cache.factory import kv_cache_class
+from kvserve.cache.quantized import QuantizedKVCache
 from kvserve.config import ModelConfig
-from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.kv_cache import KVCache, kv_cache_class
-from kvserve.model.kv_cache_quant import QuantizedKVCache
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_model
 

@@ -14,7 +14,7 @@ Roofline, per decode step (all weights read once, the tied embedding once as lm_
 sequence's K/V so far; the projections' and lm_head's bytes as the engine holds them: GGUF codes on
 AMX CPUs, bf16 elsewhere), with bandwidth and matmul rate measured in this same process:
   memory bound  = batch * BW / (weight_bytes + batch * avg_context * kv_bytes_per_token)
-                  ("dense mem": the same with every weight at the model dtype, issue 7's roofline)
+                  ("dense mem": the same with every weight at the model dtype: the roofline)
   compute bound = batch * FLOPS / (2 * params + attention flops per token)
 Writes bench/results/scaling.json (scaling_cuda.json on a GPU).
 """
@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import ModelConfig  # noqa: E402
-from kvserve.engine.setup import resolve_device  # noqa: E402
 from kvserve.model.loader import embedded_model_path, model_config_from_hf, resolve_dtype  # noqa: E402
+from kvserve.runner.build import resolve_device  # noqa: E402
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ScalingPoint:
     roofline_memory_tok_per_s: float
     roofline_compute_tok_per_s: float
     fraction_of_roofline: float  # decode / min(memory, compute)
-    # the memory bound with every weight read at the model dtype (issue 7's bf16 roofline), and
+    # the memory bound with every weight read at the model dtype (the bf16 roofline), and
     # decode / min(that, compute): equal to the two above unless projections are held as GGUF codes
     roofline_memory_dense_tok_per_s: float
     fraction_of_dense_roofline: float

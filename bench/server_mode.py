@@ -1,5 +1,5 @@
 """Server mode vs offline: the same token-id workloads through `kvserve serve`'s HTTP API and
-through the offline `LLM` API, same engine settings, same run (issue 7: within 15 %).
+through the offline `LLM` API, same engine settings, same run (the target: within 15 %).
 
 The server is a real `kvserve serve` subprocess on 127.0.0.1; all requests of a workload are sent
 at once (one HTTP connection each, non-streaming /v1/completions with `prompt` as token ids,

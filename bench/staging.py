@@ -1,5 +1,5 @@
 """The staging pass of quantized KV caches on CPU: one layer's blocks dequantized into the bf16
-"pairs" scratch the varlen kernel reads (model/attention/staging.py), per format.
+"pairs" scratch the varlen kernel reads (attention/staging.py), per format.
 
 The shapes are a batch-64 decode step of the `random` workload on SmolLM2-135M: 64 sequences of
 416 tokens (1,664 blocks of 16, 3 K/V heads, head_dim 64), in shuffled blocks as a long-running
@@ -25,12 +25,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from kvserve.attention.base import build_attention_metadata  # noqa: E402
+from kvserve.attention.staging import STAGE_BYTES, StageScratch  # noqa: E402
+from kvserve.cache.fp8 import Fp8PagedKVCache  # noqa: E402
+from kvserve.cache.kivi import IntPagedKVCache  # noqa: E402
 from kvserve.config import ModelConfig  # noqa: E402
-from kvserve.model.attention.base import build_attention_metadata  # noqa: E402
-from kvserve.model.attention.cpu_kernel import stage_quantized_kernel  # noqa: E402
-from kvserve.model.attention.staging import STAGE_BYTES, StageScratch  # noqa: E402
-from kvserve.model.kv_cache_fp8 import Fp8PagedKVCache  # noqa: E402
-from kvserve.model.kv_cache_int import IntPagedKVCache  # noqa: E402
+from kvserve.ops.cpu_kernels import stage_quantized_kernel  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BS = 9, 3, 64, 16
 

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes at batch 64: the model forward vs everything else (issue 7:
+"""Where a decode step's time goes at batch 64: the model forward vs everything else (the target:
 scheduling and bookkeeping under 10 % of step time).
 
 Runs the random workload's 64 requests (prompts 128-512 tokens; --workload shared: a 1,024-token
@@ -38,9 +38,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from throughput import make_workloads  # noqa: E402
-
 import torch  # noqa: E402
+from throughput import make_workloads  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.linear import Linear  # noqa: E402

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.engine.setup import resolve_device  # noqa: E402
 from kvserve.model.loader import hf_config_dict, load_model, resolve_dtype  # noqa: E402
+from kvserve.runner.build import resolve_device  # noqa: E402
 
 
 def make_workloads(n: int, vocab: int, seed: int = 0) -> dict[str, tuple[list[list[int]], int]]:

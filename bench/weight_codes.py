@@ -25,10 +25,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from kvserve.model.attention import cpu_kernel  # noqa: E402
-from kvserve.model.host_alloc import tune_malloc_for_inference  # noqa: E402
 from kvserve.model.llama import LlamaModel  # noqa: E402
 from kvserve.model.loader import load_model  # noqa: E402
+from kvserve.ops import cpu_kernels as cpu_kernel  # noqa: E402
+from kvserve.ops.host_alloc import tune_malloc_for_inference  # noqa: E402
 
 
 def projections(model: LlamaModel):

@@ -17,12 +17,11 @@ import random
 
 import torch
 
+from kvserve.attention.base import build_attention_metadata
+from kvserve.attention.cpu import CPUAttentionBackend
+from kvserve.attention.triton import TritonAttentionBackend
+from kvserve.cache.paged import PagedKVCache
 from kvserve.config import ModelConfig
-from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
-from kvserve.model.attention.triton_backend import TritonAttentionBackend
-from kvserve.model.kv_cache import PagedKVCache
-
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -103,7 +102,7 @@ def run_step(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     # The write kernel must leave the pool exactly as the torch cache's write does.
     torch_cache.write(layer, meta.slot_mapping.cpu(), k, v)
     assert torch.equal(cache.kv, torch_cache.kv)
-    torch_out = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, window).forward(
+    torch_out = CPUAttentionBackend(num_heads, num_kv_heads, head_dim, scale, window).forward(
         layer, q, k, v, torch_cache, build_attention_metadata(start_pos, query_lens, tables, block_size))
     return out, ref, torch_out
 

@@ -1,4 +1,4 @@
-"""The varlen bf16 kernel's AMX path (attention/csrc/attend_amx.h) against its AVX512-BF16 path and
+"""The varlen bf16 kernel's AMX path (ops/csrc/attend_amx.h) against its AVX512-BF16 path and
 a float64 reference, on CPUs with AMX: decodes, a prefill chunk after a cached context (15-row
 sub-items with causal masks), a partly filled last block and a peaky softmax."""
 from __future__ import annotations
@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
+from kvserve.attention.base import build_attention_metadata
+from kvserve.attention.cpu import CPUAttentionBackend
+from kvserve.cache.paged import PagedKVCache
 from kvserve.config import ModelConfig
-from kvserve.model.attention import cpu_kernel
-from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
-from kvserve.model.kv_cache import PagedKVCache
+from kvserve.ops import cpu_kernels as cpu_kernel
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -35,7 +35,7 @@ def test_amx_attention_is_as_accurate_as_the_dot_product_path(cached, new, qscal
     k[:, 0] *= 6  # a sink-like key: one score far above the rest
     k, v = k.bfloat16(), torch.randn(batch, ctx, KVH, D, generator=g).bfloat16()
     q = (torch.randn(batch, ctx, H, D, generator=g) * qscale).bfloat16()
-    backend = TorchAttentionBackend(H, KVH, D, scale=D ** -0.5, cascade=False)
+    backend = CPUAttentionBackend(H, KVH, D, scale=D ** -0.5, cascade=False)
     meta = build_attention_metadata([0] * batch, [cached] * batch, tables, BS)
     backend.forward(0, q[:, :cached].reshape(-1, H, D), k[:, :cached].reshape(-1, KVH, D),
                     v[:, :cached].reshape(-1, KVH, D), cache, meta)

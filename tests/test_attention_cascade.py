@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.model.attention.cascade import shared_prefix_groups
+from kvserve.attention.cascade import shared_prefix_groups
 
 BS = 4
 

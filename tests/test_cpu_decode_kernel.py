@@ -1,6 +1,6 @@
 """The compiled CPU decode kernel against the SDPA path over the same paged cache.
 
-Both run through TorchAttentionBackend.forward on one step's metadata, so block tables, slot
+Both run through CPUAttentionBackend.forward on one step's metadata, so block tables, slot
 mapping, GQA grouping, sliding windows and the scattered placement of blocks are exercised as the
 engine uses them. Skipped only where no C++ compiler is installed.
 """
@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
+from kvserve.attention.base import build_attention_metadata
+from kvserve.attention.cpu import CPUAttentionBackend
+from kvserve.cache.paged import PagedKVCache
 from kvserve.config import ModelConfig
-from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.attention.cpu_kernel import decode_kernel_for, varlen_kernel_for
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
-from kvserve.model.kv_cache import PagedKVCache
+from kvserve.ops.cpu_kernels import decode_kernel_for, varlen_kernel_for
 
 pytestmark = pytest.mark.skipif(decode_kernel_for(torch.float32, 64, torch.device("cpu")) is None,
                                 reason="no C++ compiler: the kernel falls back to SDPA")
@@ -29,7 +29,7 @@ def cfg(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
 
 def _layout(heads, kv_heads, head_dim, dtype, block_size, window=None):
     """The layout the engine would build the cache in for this backend (what the kernels read)."""
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=1.0, sliding_window=window)
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=1.0, sliding_window=window)
     return backend.kv_cache_layout("auto", dtype, block_size, torch.device("cpu"))
 
 
@@ -62,7 +62,7 @@ def run_step(dtype, heads, kv_heads, head_dim, block_size, seq_lens, query_lens,
     v = torch.randn(t, kv_heads, head_dim).to(dtype)
     outs = []
     for use_kernel in (True, False):
-        backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5,
+        backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5,
                                         sliding_window=window, use_cpu_kernel=use_kernel)
         meta.backend_state.clear()
         outs.append(backend.forward(1, q, k, v, cache, meta).float())
@@ -201,7 +201,7 @@ def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, wi
     q = torch.randn(meta.num_tokens, heads, head_dim).bfloat16()
     rows = torch.cat([torch.arange(hist.query_start_loc[i] + start[i], hist.query_start_loc[i + 1])
                       for i in range(len(start))])
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5,
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5,
                                     sliding_window=window)
     got = backend.forward(1, q, hist_k[rows], hist_v[rows], cache, meta).double()
     ref = _reference_float64(cache, 1, meta, q, window, head_dim ** -0.5, heads, kv_heads)
@@ -224,7 +224,7 @@ def test_small_batch_decodes_split_their_keys_and_match_float64(seq_lens):
     try:
         for n in (4, 1):
             torch.set_num_threads(n)  # the kernel's OpenMP team follows it
-            backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+            backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
             meta.backend_state.clear()
             outs[n] = backend.forward(1, q, hist_k[last], hist_v[last], cache, meta).double()
     finally:
@@ -282,7 +282,7 @@ def test_cascade_matches_float64_and_the_plain_pass(heads, kv_heads, head_dim, b
     outs = {}
     for cascade in (True, False):
         meta.backend_state.clear()
-        backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=cascade)
+        backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=cascade)
         outs[cascade] = backend.forward(1, q, k_new, v_new, cache, meta).double()
         groups = meta.backend_state["varlen"].groups
         if cascade:
@@ -310,17 +310,17 @@ def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
     maxima (the prefix phase per 32-key chunk, attend_decode per 256-key segment; both are as
     close to float64, tests below), so fewer outputs agree to the end there: 4 of 8 at least."""
     from kvserve import LLM, SamplingParams
-    from kvserve.model.attention import torch_backend
+    from kvserve.attention import cpu as cpu_backend
 
     seen: list[int] = []
-    real = torch_backend.shared_prefix_groups
+    real = cpu_backend.shared_prefix_groups
 
     def spy(*args, **kwargs):
         groups = real(*args, **kwargs)
         seen.append(groups.num_groups)
         return groups
 
-    monkeypatch.setattr(torch_backend, "shared_prefix_groups", spy)
+    monkeypatch.setattr(cpu_backend, "shared_prefix_groups", spy)
     llm = LLM(None, dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 2**20)
     rng = random.Random(9)
     prefix = [rng.randrange(49152) for _ in range(256)]
@@ -370,7 +370,7 @@ def test_segmented_decode_matches_the_chunked_one(monkeypatch):
     for segments in ("1", "0"):
         monkeypatch.setenv("KVSERVE_DECODE_SEGMENTS", segments)
         meta.backend_state.clear()
-        backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+        backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
         outs[segments] = backend.forward(1, q, hist_k[last], hist_v[last], cache, meta).double()
         assert torch.isfinite(outs[segments]).all()
         errs[segments] = (outs[segments] - ref).abs().mean()

@@ -19,11 +19,11 @@ import torch
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")]
 
-from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.model.attention.triton_backend import interpreter_enabled  # noqa: E402
-
 from attention_cases import HEADS, assert_matches, greedy_generate, run_step  # noqa: E402
 from test_engine_fidelity import GEN, greedy, rand_prompts, tiny  # noqa: E402,F401 (tiny: fixture)
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.attention.triton import interpreter_enabled  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -80,10 +80,11 @@ def test_odd_head_dim_small_blocks() -> None:
 
 
 def test_tiny_model_cuda_matches_cpu_torch_backend(tmp_path) -> None:
-    from kvserve.model.attention.triton_backend import select_attention_backend
+    from tiny_models import make_tiny_model
+
+    from kvserve.attention.selector import select_attention_backend
     from kvserve.model.llama import LlamaModel
     from kvserve.model.loader import load_model
-    from tiny_models import make_tiny_model
 
     loaded = load_model(str(make_tiny_model(tmp_path, "llama_gqa")), torch.float32)
     c = loaded.config

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.cache.paged import PagedKVCache
 from kvserve.cli import build_parser, engine_args_from
 from kvserve.config import ConfigError, EngineArgs
-from kvserve.engine.cuda_graph import capture_sizes, graphs_unsupported
-from kvserve.engine.setup import cuda_graph_sizes
-from kvserve.model.kv_cache import PagedKVCache
+from kvserve.runner.build import cuda_graph_sizes
+from kvserve.runner.cuda_graph import capture_sizes, graphs_unsupported
 
 
 def test_capture_sizes_are_vllms() -> None:
@@ -41,9 +41,10 @@ def test_a_non_positive_capture_size_names_enforce_eager() -> None:
 
 
 def test_cpu_models_are_not_captured(tmp_path) -> None:
+    from tiny_models import make_tiny_model
+
     from kvserve.model.llama import LlamaModel
     from kvserve.model.loader import load_model
-    from tiny_models import make_tiny_model
 
     loaded = load_model(str(make_tiny_model(tmp_path, "llama_gqa")), torch.float32)
     model = LlamaModel(loaded.config, loaded.weights, torch.float32, "cpu")

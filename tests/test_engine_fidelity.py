@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
+from hf_reference import hf_greedy, load_hf
+from tiny_models import make_tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.outputs import RequestError
-
-from tiny_models import make_tiny_model
-from hf_reference import hf_greedy, load_hf
 
 GEN = 12
 

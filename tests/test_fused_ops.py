@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.model.attention.cpu_kernel import elementwise_kernels
 from kvserve.model.fused import ElementwiseOps, apply_rope, rms_norm
+from kvserve.ops.cpu_kernels import elementwise_kernels
 
 compiled = pytest.mark.skipif(elementwise_kernels() is None,
                               reason="no AVX512-BF16 (or no compiler): bf16 keeps torch's ops")

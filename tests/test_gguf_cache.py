@@ -4,11 +4,10 @@ from __future__ import annotations
 import os
 
 import torch
+from tiny_models import make_tiny_gguf
 
 from kvserve.model import gguf_cache
 from kvserve.model.loader import load_gguf
-
-from tiny_models import make_tiny_gguf
 
 
 def test_cache_round_trip_invalidation_and_damage(tmp_path, monkeypatch):

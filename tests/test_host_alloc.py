@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # warm-up - the pattern that makes untuned glibc trim the heap and fault it back in every round.
 PROBE = """
 import resource, torch
-from kvserve.model.host_alloc import tune_malloc_for_inference
+from kvserve.ops.host_alloc import tune_malloc_for_inference
 tuned = tune_malloc_for_inference()
 block = torch.empty(10 << 20, dtype=torch.int16)
 heap = [l.split()[0].split("-") for l in open("/proc/self/maps") if l.rstrip().endswith("[heap]")]
@@ -53,7 +53,7 @@ def test_large_activations_stay_on_the_heap_and_are_not_refaulted():
 def test_the_cpu_runner_applies_the_settings(tmp_path):
     code = f"""
 from tiny_models import make_tiny_model
-from kvserve.model import host_alloc
+from kvserve.ops import host_alloc
 from kvserve import LLM
 assert host_alloc._tuned is None
 LLM(str(make_tiny_model({str(tmp_path / 'm')!r}, kind="llama_gqa")), dtype="float32",
@@ -89,7 +89,7 @@ def test_kv_pools_are_zeroed_mappings_advised_for_huge_pages(monkeypatch):
     torch.zeros's would be); small tensors, KVSERVE_HUGE_PAGES=0 and other devices get torch.zeros."""
     import torch
 
-    from kvserve.model.host_alloc import HUGE_PAGE, zeros_huge_pages
+    from kvserve.ops.host_alloc import HUGE_PAGE, zeros_huge_pages
 
     t = zeros_huge_pages(3, 2, 1000, 777, dtype=torch.bfloat16)
     assert t.shape == (3, 2, 1000, 777) and t.dtype == torch.bfloat16 and t.is_contiguous()

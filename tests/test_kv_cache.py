@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
-from kvserve.config import ConfigError, ModelConfig
-from kvserve.engine.scheduler_output import BlockCopy
-from kvserve.model.kv_cache import (PagedKVCache, create_kv_cache, kv_cache_bytes_per_block,
-                                    register_kv_cache)
+from kvserve.cache.factory import KV_CACHE_CLASSES, create_kv_cache, kv_cache_bytes_per_block, kv_cache_class
+from kvserve.cache.paged import PagedKVCache
+from kvserve.config import KV_CACHE_DTYPES, ConfigError, ModelConfig
+from kvserve.core.step import BlockCopy
 
 BS = 4
 
@@ -108,9 +108,12 @@ def test_factory_auto_and_unsupported_dtypes():
         create_kv_cache(cfg(), num_blocks=0, block_size=8)
 
 
-def test_register_rejects_unknown_dtype_name():
-    with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
-        register_kv_cache("fp3")(PagedKVCache)
+def test_every_kv_cache_dtype_builds_its_class():
+    """--kv-cache-dtype's choices and the factory's table name the same formats."""
+    assert set(KV_CACHE_CLASSES) == set(KV_CACHE_DTYPES)
+    for name in KV_CACHE_DTYPES:
+        cache = create_kv_cache(cfg(), num_blocks=3, block_size=16, kv_cache_dtype=name, dtype=torch.float32)
+        assert type(cache) is kv_cache_class(name)
 
 
 # -- the "pairs" layout (what the bf16 CPU kernel reads): same tokens, different element order --

@@ -19,14 +19,13 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from kvserve.model.attention import torch_backend
-from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.attention.cpu_kernel import quantized_decode_kernel_for, quantized_decode_tiles_enabled
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
-
 from test_cpu_decode_kernel import _reference_float64, assert_same_greedy_up_to_near_ties
 from test_kv_staging import fill_history, make_cache
+
+from kvserve.attention import cpu as cpu_backend
+from kvserve.attention.base import build_attention_metadata
+from kvserve.attention.cpu import CPUAttentionBackend
+from kvserve.ops.cpu_kernels import quantized_decode_kernel_for, quantized_decode_tiles_enabled
 
 codes_kernel = pytest.mark.skipif(
     quantized_decode_kernel_for(64, torch.device("cpu")) is None,
@@ -133,7 +132,7 @@ def test_decode_over_codes_matches_float64_over_the_dequantized_cache(
     monkeypatch.setenv("KVSERVE_AMX_ATTENTION", "0")
     cache, meta, q, k, v = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share)
     # No cascade: decodes sharing a prefix would be staged (test_shared_prefix_groups_...).
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=False)
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=False)
     got = backend.forward(1, q, k, v, cache, meta).double()
     assert "codes_split" in meta.backend_state and "staged" not in meta.backend_state  # the codes kernel ran
     assert "staged_subset" not in meta.backend_state
@@ -148,7 +147,7 @@ def test_decode_over_codes_matches_float64_over_the_dequantized_cache(
     # farther from the exact values than the codes path does.
     cache2, meta2, q2, k2, v2 = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks,
                                             share)
-    staged = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, decode_on_codes=False)
+    staged = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, decode_on_codes=False)
     other = staged.forward(1, q2, k2, v2, cache2, meta2).double()
     assert "staged" in meta2.backend_state
     assert float(err.mean()) < float((other - ref).abs().mean())
@@ -162,7 +161,7 @@ def test_layouts_the_codes_kernel_does_not_read_are_staged(variant):
     that cache."""
     heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = decode_step(variant, [5, 40, 77], heads, kv_heads, head_dim)
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
     got = backend.forward(1, q, k, v, cache, meta).double()
     assert "staged" in meta.backend_state and backend._codes_unreadable is cache
     ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
@@ -176,7 +175,7 @@ def test_caches_without_a_residual_pool_are_staged(variant):
     the staged path attends to it as computed (its overlay), and so do these steps."""
     heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = decode_step(variant, [5, 40, 77], heads, kv_heads, head_dim)
-    TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5).forward(1, q, k, v, cache, meta)
+    CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5).forward(1, q, k, v, cache, meta)
     assert "staged" in meta.backend_state and "codes_split" not in meta.backend_state
 
 
@@ -209,10 +208,10 @@ def test_mixed_steps_attend_decodes_over_codes_and_stage_only_the_prompts(varian
     reference: the decodes the float32-dequantized cache within the bf16 output's rounding, the
     prompts the bf16-dequantized cache within the varlen kernel's tolerance."""
     if stage_bytes is not None:
-        monkeypatch.setattr(torch_backend, "STAGE_BYTES", stage_bytes)
+        monkeypatch.setattr(cpu_backend, "STAGE_BYTES", stage_bytes)
     heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = mixed_step(variant)
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
     got = backend.forward(1, q, k, v, cache, meta).double()
     assert "codes_split" in meta.backend_state and "staged_subset" in meta.backend_state
     assert len(meta.backend_state["staged_subset"]) >= (3 if stage_bytes else 1)
@@ -239,7 +238,7 @@ def test_decodes_sharing_a_prefix_are_staged_for_cascade_and_the_rest_go_over_co
     # 0-4 and 6 share 4-12 leading blocks of sequence 0's; 5 shares only 2 (too few to group).
     cache, meta, q, k, v = decode_step(variant, [200, 180, 230, 190, 210, 40, 77], heads, kv_heads, head_dim,
                                        share=True)
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
     got = backend.forward(1, q, k, v, cache, meta).double()
     split = meta.backend_state["codes_split"]
     plans = meta.backend_state["staged_subset"]
@@ -263,7 +262,7 @@ def test_fp8_codes_are_staged_while_denormals_are_flushed(monkeypatch):
     again. (The AMX path converts codes to bf16 by integer shifts and is not affected: below.)"""
     monkeypatch.setenv("KVSERVE_AMX_ATTENTION", "0")
     heads, kv_heads, head_dim = 9, 3, 64
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
     assert torch.set_flush_denormal(True)
     try:
         cache, meta, q, k, v = decode_step("fp8", [5, 40, 77])
@@ -303,7 +302,7 @@ def test_fp8_decode_on_amx_tiles_matches_float64(variant, seq_lens, heads, kv_he
     for tiles in ("1", "0"):
         monkeypatch.setenv("KVSERVE_AMX_ATTENTION", tiles)
         cache, meta, q, k, v = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share)
-        backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=False)
+        backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, cascade=False)
         outs[tiles] = backend.forward(1, q, k, v, cache, meta).double()
         assert "codes_split" in meta.backend_state and "staged" not in meta.backend_state
     got = outs["1"]
@@ -312,7 +311,7 @@ def test_fp8_decode_on_amx_tiles_matches_float64(variant, seq_lens, heads, kv_he
     ref = float32_reference(cache, meta, q, k, v, heads, kv_heads, head_dim)
     assert_codes_output_close(got, ref, tiles=True)
     cache2, meta2, q2, k2, v2 = decode_step(variant, seq_lens, heads, kv_heads, head_dim, bs, residual_blocks, share)
-    staged = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, decode_on_codes=False)
+    staged = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, decode_on_codes=False)
     other = staged.forward(1, q2, k2, v2, cache2, meta2).double()
     assert float((got - ref).abs().mean()) < float((other - ref).abs().mean())
 
@@ -323,7 +322,7 @@ def test_fp8_tiles_read_the_codes_while_denormals_are_flushed():
     """The tiles path never does float32 arithmetic on a code, so flush-to-zero does not send the
     step to staging."""
     heads, kv_heads, head_dim = 9, 3, 64
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5)
     cache, meta, q, k, v = decode_step("fp8", [5, 40, 77])
     assert torch.set_flush_denormal(True)
     try:
@@ -338,7 +337,7 @@ def test_fp8_tiles_read_the_codes_while_denormals_are_flushed():
 def test_sliding_windows_are_staged():
     heads, kv_heads, head_dim = 9, 3, 64
     cache, meta, q, k, v = decode_step("int8", [5, 40])
-    TorchAttentionBackend(heads, kv_heads, head_dim, scale=0.125, sliding_window=16).forward(1, q, k, v, cache, meta)
+    CPUAttentionBackend(heads, kv_heads, head_dim, scale=0.125, sliding_window=16).forward(1, q, k, v, cache, meta)
     assert "staged" in meta.backend_state and "codes_split" not in meta.backend_state
 
 
@@ -352,14 +351,14 @@ def test_engine_with_a_quantized_cache_decodes_over_the_codes(kv_cache_dtype, mo
     from kvserve import LLM, SamplingParams
 
     calls = {"codes": 0}
-    real = torch_backend.TorchAttentionBackend._decode_on_codes
+    real = cpu_backend.CPUAttentionBackend._decode_on_codes
 
     def spy(self, *a):
         ran = real(self, *a)
         calls["codes"] += ran
         return ran
 
-    monkeypatch.setattr(torch_backend.TorchAttentionBackend, "_decode_on_codes", spy)
+    monkeypatch.setattr(cpu_backend.CPUAttentionBackend, "_decode_on_codes", spy)
     llm = LLM(None, dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 2**20, kv_cache_dtype=kv_cache_dtype,
               max_num_seqs=8)
     rng = random.Random(4)
@@ -378,8 +377,8 @@ def test_engine_with_a_quantized_cache_decodes_over_the_codes(kv_cache_dtype, mo
         assert (calls["codes"] >= 10 * layers) if on else calls["codes"] == 0
     # fp8: the staged copy rounds mean + scale * code to bf16, ~0.1 on SmolLM2's large key
     # channels, so its logits move further (measured: 5 of 8 identical, parting where the top
-    # three are within 0.3 and the two choices 0.44 apart). int4: 3 of 8 identical (session 12). int8
-    # parted within 0.25 until the AMX kernels (session 13) moved its trajectory: the attention's
+    # three are within 0.3 and the two choices 0.44 apart). int4: 3 of 8 identical. int8
+    # parted within 0.25 until the AMX kernels moved its trajectory: the attention's
     # error against a float64 reference is the AVX512-BF16 path's to 4 digits, yet one output now
     # parts at 0.44. Every parting is still at a near-tie, which is what this checks - the identical
     # count only keeps it from being vacuous.

@@ -15,17 +15,18 @@ import math
 import pytest
 import torch
 
+from kvserve.attention.base import build_attention_metadata
+from kvserve.attention.cpu import CPUAttentionBackend
+from kvserve.cache import quantizers as quant
+from kvserve.cache.factory import create_kv_cache, kv_cache_bytes_per_block
+from kvserve.cache.fp8 import Fp8PagedKVCache
+from kvserve.cache.kivi import IntPagedKVCache
+from kvserve.cache.paged import PagedKVCache
+from kvserve.cache.quantized import QuantizedKVCache
+from kvserve.cache.quantizers import KVScales
 from kvserve.config import ConfigError, ModelConfig
-from kvserve.engine.scheduler_output import BlockCopy
-from kvserve.kv import quant
+from kvserve.core.step import BlockCopy
 from kvserve.kv.hashing import extend_block_hashes, root_hash
-from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
-from kvserve.model.kv_cache import PagedKVCache, create_kv_cache, kv_cache_bytes_per_block
-from kvserve.kv.quant import KVScales
-from kvserve.model.kv_cache_fp8 import Fp8PagedKVCache
-from kvserve.model.kv_cache_int import IntPagedKVCache
-from kvserve.model.kv_cache_quant import QuantizedKVCache
 
 FP8_BOUNDS = {"fp8_e4m3": (2.0 ** -4, 2.0 ** -10), "fp8_e5m2": (2.0 ** -3, 2.0 ** -17)}
 QUANT_DTYPES = ["fp8", "fp8_e5m2", "int8", "int4"]
@@ -376,7 +377,7 @@ def test_paged_attention_with_quantized_kv_vs_float64(dt):
     k, v, q = samples(40, (n, H, D), outliers=True), samples(41, (n, H, D)), samples(42, (1, Hq, D))
     table = [3, 8, 1, 10, 6]
     write_seq(cache, table, k, v, [n - 1, 1])
-    backend = TorchAttentionBackend(Hq, H, D, scale=D ** -0.5)
+    backend = CPUAttentionBackend(Hq, H, D, scale=D ** -0.5)
     meta = build_attention_metadata([n - 1], [1], [table], bs)
     out = backend.forward(0, q, k[-1:], v[-1:], cache, meta)[0]  # rewrites the last token
     ref = attention_f64(q[0], k, v, D ** -0.5)
@@ -410,8 +411,8 @@ def test_quantized_cache_copies_prefixes_from_full_blocks_only(dt):
     """A partial block of a quantized cache is exact while open in the residual pool and padded
     codes once evicted (by other requests' writes): a prefix served from one would depend on
     what else ran. Full blocks are quantized once, so their leading tokens are still served."""
-    from kvserve.engine.request import Request
-    from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.core.request import Request
+    from kvserve.core.sampling_params import SamplingParams
     from kvserve.kv.manager import KVCacheManager
     kv = KVCacheManager(16, 8, kv_cache_dtype=dt)
     tokens = list(range(100, 113))  # one full block, then 5 tokens of a partial one
@@ -486,7 +487,7 @@ def test_compiled_residual_write_leaves_the_cache_as_the_torch_ops_do(dt, dtype,
     rows, masks, entries, LRU clocks) exactly as the torch path does, through prefill chunks,
     decodes filling and starting blocks, K/V given as strided views, a pool too small for the
     open blocks (evictions, re-opened blocks) and sealing."""
-    from kvserve.model.attention.cpu_kernel import residual_write_kernel
+    from kvserve.ops.cpu_kernels import residual_write_kernel
     if residual_write_kernel() is None:
         pytest.skip("no C++ compiler: the torch path is the only one")
     bs, g = 8, torch.Generator().manual_seed(7)
@@ -591,7 +592,7 @@ def test_a_slot_out_of_range_is_an_index_error_not_a_stray_write():
 def _compiled_vs_torch(kind: str, dtype: torch.dtype, heads: int = 2, head_dim: int = 64, block_size: int = 16,
                        **kw) -> tuple[list[QuantizedKVCache], list[bool]]:
     """Two caches alike but for the block quantizer: [0] compiled (its calls' results logged), [1] torch."""
-    from kvserve.model.attention.cpu_kernel import block_quantizers
+    from kvserve.ops.cpu_kernels import block_quantizers
     if block_quantizers() is None:
         pytest.skip("no C++ compiler: the torch path is the only one")
     cfg = ModelConfig("llama", 100, heads * head_dim, 128, 2, heads, heads, head_dim, 1024)

@@ -13,19 +13,18 @@ import random
 
 import pytest
 import torch
-
-from kvserve import LLM
-from kvserve.engine.scheduler_output import BlockCopy
-from kvserve.kv.tiers.codec import pack_block
-from kvserve.model.kv_cache import create_kv_cache
-from kvserve.kv.quant import KVScales
-from kvserve.model.kv_cache_fp8 import Fp8PagedKVCache
-from kvserve.model.kv_cache_int import IntPagedKVCache
-from kvserve.model.attention.cpu_kernel import varlen_kernel_for
-
 from test_kv_quant import TINY, samples, write_seq
 from test_tiers_engine import BS, SMALL, documents_workload, greedy
 from tiny_models import make_tiny_model
+
+from kvserve import LLM
+from kvserve.cache.codec import pack_block
+from kvserve.cache.factory import create_kv_cache
+from kvserve.cache.fp8 import Fp8PagedKVCache
+from kvserve.cache.kivi import IntPagedKVCache
+from kvserve.cache.quantizers import KVScales
+from kvserve.core.step import BlockCopy
+from kvserve.ops.cpu_kernels import varlen_kernel_for
 
 QUANT = ["fp8_e4m3", "int8", "int4"]
 POOL = 10  # blocks; a request needs at most 10 (128-token document + question + answer)
@@ -216,7 +215,7 @@ def test_other_kv_dtype_never_restores_from_a_shared_disk_tier(tiny, roomy_outpu
                                    kv_cache_dtype="int4")
             payload = pack_block([t[0] for t in int4.read_blocks(torch.tensor([0]))])
             with pytest.raises(ValueError, match="block layout"):
-                reader.engine.kv_transfer.decode(memoryview(payload))
+                reader.engine.kv_offloader.decode(memoryview(payload))
         finally:
             reader.engine.close()
 
@@ -227,7 +226,7 @@ def test_residual_pool_holds_a_full_batch_beside_a_chunk_cut_mid_block(tiny, dt,
     budget cut mid-block continues in its open block and ends in a new one, so one write needs
     max_num_seqs + 1 entries. Sized at exactly max_num_seqs the pool ran dry there and the step
     failed (found on `random` with --max-num-seqs 64); now such a step grows the pool."""
-    from kvserve.model import kv_cache_quant
+    from kvserve.cache import quantized
 
     rng = random.Random(8)
     # Step 1 (40 tokens): three 10-token prompts whole and the long one's first 10 tokens (cut
@@ -242,7 +241,7 @@ def test_residual_pool_holds_a_full_batch_beside_a_chunk_cut_mid_block(tiny, dt,
     # One entry short (the sizing before this was found), standing in for the case no fixed size
     # covers (prompt chunks starting and ending mid-block): the pool grows for that step instead
     # of failing it, and the output is the same.
-    monkeypatch.setattr(kv_cache_quant, "residual_blocks_for", lambda max_num_seqs: max_num_seqs)
+    monkeypatch.setattr(quantized, "residual_blocks_for", lambda max_num_seqs: max_num_seqs)
     short = LLM(tiny, **common)
     again = short.generate(prompts, greedy(6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]

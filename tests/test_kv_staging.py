@@ -1,4 +1,4 @@
-"""Quantized KV caches through the bf16 varlen kernel (model/attention/staging.py).
+"""Quantized KV caches through the bf16 varlen kernel (attention/staging.py).
 
 The step's blocks are dequantized into a bf16 "pairs" scratch - by the compiled
 `stage_quantized_pairs`, or by the cache's own `gather` where that is not built - and the varlen
@@ -15,19 +15,20 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
-from kvserve.config import ModelConfig
-from kvserve.kv.quant import KVScales
-from kvserve.model.attention import staging, torch_backend
-from kvserve.model.attention.base import build_attention_metadata
-from kvserve.model.attention.cpu_kernel import stage_quantized_kernel, varlen_kernel_for
-from kvserve.model.attention.staging import StageScratch, plan_stage_parts
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
-from kvserve.model.kv_cache_fp8 import Fp8PagedKVCache
-from kvserve.model.kv_cache_int import IntPagedKVCache
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_cpu_decode_kernel import _reference_float64, assert_same_greedy_up_to_near_ties
+
+from kvserve.attention import cpu as cpu_backend
+from kvserve.attention import staging
+from kvserve.attention.base import build_attention_metadata
+from kvserve.attention.cpu import CPUAttentionBackend
+from kvserve.attention.staging import StageScratch, plan_stage_parts
+from kvserve.cache.fp8 import Fp8PagedKVCache
+from kvserve.cache.kivi import IntPagedKVCache
+from kvserve.cache.quantizers import KVScales
+from kvserve.config import ModelConfig
+from kvserve.ops.cpu_kernels import stage_quantized_kernel, varlen_kernel_for
 
 varlen_available = pytest.mark.skipif(
     varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is None,
@@ -139,7 +140,7 @@ def test_attention_over_the_scratch_matches_float64(variant, window, stage_bytes
     tolerance is the varlen kernel's own (test_cpu_decode_kernel.py): the scratch holds exactly
     the dequantized values the reference reads."""
     if stage_bytes is not None:
-        monkeypatch.setattr(torch_backend, "STAGE_BYTES", stage_bytes)
+        monkeypatch.setattr(cpu_backend, "STAGE_BYTES", stage_bytes)
     if "via gather" in variant:
         monkeypatch.setattr(staging, "stage_quantized_kernel", lambda: None)
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
@@ -161,7 +162,7 @@ def test_attention_over_the_scratch_matches_float64(variant, window, stage_bytes
         return cache, meta, q, k, v
 
     cache, meta, q, k, v = step()
-    backend = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, sliding_window=window)
+    backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, sliding_window=window)
     got = backend.forward(1, q, k, v, cache, meta).double()
     parts = meta.backend_state["staged"]  # the staged kernel ran, not the SDPA fallback
     assert len(parts) >= (3 if stage_bytes else 1)
@@ -178,7 +179,7 @@ def test_attention_over_the_scratch_matches_float64(variant, window, stage_bytes
     # full precision; decodes and later chunks read the step's keys back from the cache there),
     # within both paths' bf16 errors added up.
     cache, meta, q, k, v = step()
-    sdpa = TorchAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, sliding_window=window,
+    sdpa = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5, sliding_window=window,
                                  use_cpu_kernel=False)
     other = sdpa.forward(1, q, k, v, cache, meta).double()
     fresh = [r for i in range(meta.num_seqs) if meta.start_pos[i] == 0 and meta.query_lens[i] > 1
@@ -220,7 +221,7 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
     from kvserve import LLM, SamplingParams
 
     staged_steps = []
-    real = torch_backend.TorchAttentionBackend._staged_plans
+    real = cpu_backend.CPUAttentionBackend._staged_plans
 
     def spy(self, meta, kv_cache, *args):
         fresh = "staged" not in meta.backend_state
@@ -228,7 +229,7 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
         staged_steps.append(fresh)
         return plans
 
-    monkeypatch.setattr(torch_backend.TorchAttentionBackend, "_staged_plans", spy)
+    monkeypatch.setattr(cpu_backend.CPUAttentionBackend, "_staged_plans", spy)
     llm = LLM(None, dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 2**20, kv_cache_dtype=kv_cache_dtype,
               max_num_seqs=8)
     # int8 decode steps would read the codes in place (test_kv_decode_codes.py): staged here.
@@ -244,14 +245,14 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
         runs[kernel] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert (sum(staged_steps) >= 10) if kernel else not staged_steps
     # measured 4-5 of 8 identical; the rest part at a near-tie: within 0.25 with the AVX512-BF16
-    # kernels, one int8 output at 0.5 with the AMX ones (session 13; same attention error against
+    # kernels, one int8 output at 0.5 with the AMX ones (same attention error against
     # float64 to 4 digits, a different trajectory), as the SDPA path's own key is quantized
     assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=3, max_gap=0.5)
 
 
 def test_block_sizes_the_staging_path_cannot_read_are_named_at_start_up(caplog):
     """A quantized cache at --block-size 8 falls back to SDPA; start-up says so and what to set."""
-    backend = TorchAttentionBackend(9, 3, 64, scale=0.125)
+    backend = CPUAttentionBackend(9, 3, 64, scale=0.125)
     with caplog.at_level("WARNING"):
         assert backend.kv_cache_layout("int8", torch.bfloat16, 8, torch.device("cpu")) == "tokens"
         assert backend.kv_cache_layout("int8", torch.bfloat16, 16, torch.device("cpu")) == "tokens"

@@ -1,4 +1,4 @@
-"""The bf16 projection kernels behind `Linear` (model/csrc/gemm_bf16.cpp with AVX512-BF16 dot
+"""The bf16 projection kernels behind `Linear` (ops/csrc/gemm_bf16.cpp with AVX512-BF16 dot
 products, gemm_amx.cpp with AMX tiles), against float32 products. Every test runs on each kernel
 this CPU has.
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.attention import cpu_kernel
 from kvserve.model.fused import ElementwiseOps, apply_rope
 from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue
+from kvserve.ops import cpu_kernels as cpu_kernel
 
 _KERNELS = {"avx512bf16": cpu_kernel.gemm_bf16_kernels(amx=False), "amx": cpu_kernel.gemm_bf16_kernels(amx=True)}
 

@@ -17,15 +17,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from kvserve.attention.base import build_attention_metadata  # noqa: E402
+from kvserve.cache.paged import PagedKVCache  # noqa: E402
 from kvserve.config import ModelConfig  # noqa: E402
-from kvserve.engine.model_runner import ModelRunner  # noqa: E402
-from kvserve.engine.request import Request  # noqa: E402
-from kvserve.engine.sampling_params import SamplingParams  # noqa: E402
-from kvserve.engine.scheduler_output import BlockCopy, ScheduledRequest, SchedulerOutput  # noqa: E402
-from kvserve.model.attention.base import build_attention_metadata  # noqa: E402
-from kvserve.model.attention.cpu_kernel import varlen_kernel_for  # noqa: E402
-from kvserve.model.kv_cache import PagedKVCache  # noqa: E402
+from kvserve.core.request import Request  # noqa: E402
+from kvserve.core.sampling_params import SamplingParams  # noqa: E402
+from kvserve.core.step import BlockCopy, ScheduledRequest, SchedulerOutput  # noqa: E402
 from kvserve.model.llama import LlamaModel, rope_inv_freq  # noqa: E402
+from kvserve.ops.cpu_kernels import varlen_kernel_for  # noqa: E402
+from kvserve.runner.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 
 TOL = 1e-4
 VOCAB = 96
@@ -383,8 +383,8 @@ class HandScheduler:
 
 
 def runner_for(name: str, block_size: int, num_blocks: int = NUM_BLOCKS) -> ModelRunner:
-    return ModelRunner(model_config(name), weights(name), dtype=torch.float32, device="cpu",
-                       block_size=block_size, num_blocks=num_blocks)
+    return ModelRunner(model_config(name), weights(name), RunnerConfig(
+        dtype=torch.float32, device=torch.device("cpu"), block_size=block_size, num_blocks=num_blocks))
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa", "qwen2_bias"])

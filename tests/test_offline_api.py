@@ -6,12 +6,12 @@ import math
 
 import numpy as np
 import pytest
+from tiny_models import make_tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
+from kvserve.core.sampling_params import RequestOutputKind, SamplingParamsError
 from kvserve.engine.outputs import Logprob, RequestError
-from kvserve.engine.sampling_params import RequestOutputKind, SamplingParamsError
-from tiny_models import make_tiny_model
 
 
 def greedy(n=8, **kw):

@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.model.sampler import (Sampler, SamplingRow, apply_min_p, apply_penalties,
-                                   apply_top_k_top_p)
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.runner.sampler import Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p
 
 NEG = float("-inf")
 
@@ -174,7 +173,7 @@ def test_callers_logits_stay_intact(dtype):
 
 
 def test_row_argmax_matches_torch_including_ties_and_nan():
-    from kvserve.model.sampler import row_argmax
+    from kvserve.runner.sampler import row_argmax
     x = torch.randn(7, 1000)
     x[1, [5, 9]] = 50.0  # tie: the first one wins
     x[2, [3, 800]] = float("nan")  # NaN: the first NaN, as torch does
@@ -188,8 +187,8 @@ def test_bf16_row_argmax_is_numpys_on_the_float32_copy():
     """Greedy steps take the argmax of the bf16 logits as the lm_head wrote them
     (csrc/argmax_bf16.cpp): the answer numpy gives on their float32 copy, at every row width
     (the kernel reads 16 at a time), with ties, -inf rows, NaN and many rows (threads)."""
-    from kvserve.model.attention.cpu_kernel import argmax_bf16_kernel
-    from kvserve.model.sampler import row_argmax
+    from kvserve.ops.cpu_kernels import argmax_bf16_kernel
+    from kvserve.runner.sampler import row_argmax
     if argmax_bf16_kernel() is None:
         pytest.skip("no compiled bf16 argmax here (needs AVX512-BF16 and a compiler)")
     g = torch.Generator().manual_seed(0)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.config import SchedulerConfig
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sampling_params import SamplingParams
 from kvserve.kv.manager import KVCacheManager
+from kvserve.sched.scheduler import Scheduler
 from kvserve.tools.cost_model import CostModelRunner
 
 VOCAB = 4  # a tiny vocabulary makes shared prefixes (full and partial blocks) frequent
@@ -22,7 +24,7 @@ VOCAB = 4  # a tiny vocabulary makes shared prefixes (full and partial blocks) f
 def make(num_blocks, block_size, caching, policy="fcfs", chunk=16, max_seqs=4, max_len=None):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=chunk,
-                          max_model_len=max_len or num_blocks * block_size, policy=policy)
+                          max_model_len=max_len or num_blocks * block_size, scheduling_policy=policy)
     return Scheduler(cfg, kv), CostModelRunner(vocab_size=VOCAB)
 
 
@@ -165,7 +167,7 @@ def test_cache_aware_admission_prefers_longest_cached_prefix():
     def run(cache_aware):
         kv = KVCacheManager(64, 4, enable_caching=True)
         cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
-                              cache_aware=cache_aware)
+                              cache_aware_scheduling=cache_aware)
         sched, runner = Scheduler(cfg, kv), CostModelRunner(vocab_size=VOCAB)
         shared = [1, 2, 3, 0] * 3
         run_to_end(sched, runner, [Request("warm", shared + [1], SamplingParams(max_tokens=1, ignore_eos=True))])

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from kvserve.config import EngineArgs
+from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.async_engine import AsyncLLM, EngineStepError, StepEvent
 from kvserve.engine.outputs import RequestError
-from kvserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,6 @@ import threading
 import time
 
 import httpx
-
 from server_util import SMALL, start_server, wait_until
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "temperature": 0}

@@ -7,6 +7,7 @@ import json
 import pytest
 from prometheus_client import generate_latest
 from pydantic import ValidationError
+from server_util import parse_metrics
 
 from kvserve.cli import build_parser, engine_args_from
 from kvserve.config import ConfigError, EngineArgs
@@ -15,8 +16,6 @@ from kvserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics
 from kvserve.server.auth import Authenticator, effective_cache_salt, load_api_keys
 from kvserve.server.metrics import ServerMetrics, build_1_2_5_buckets
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from server_util import parse_metrics
-
 
 # ----- CLI -----
 
@@ -221,6 +220,7 @@ def test_completion_request_accepts_openai_and_vllm_fields():
 
 def test_unset_request_fields_take_the_generation_config_defaults():
     from types import SimpleNamespace
+
     from kvserve.server.serving import OpenAIServing, ServingConfig
     llm = SimpleNamespace(tokenizer=None, max_model_len=100, token_text=str,
                           sampling_defaults={"temperature": 0.6, "top_p": 0.9, "max_tokens": 8})

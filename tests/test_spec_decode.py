@@ -1,20 +1,19 @@
-"""N-gram speculative decoding (engine/spec_decode.py): the proposer, --speculative-config, and
+"""N-gram speculative decoding (sched/spec_decode.py): the proposer, --speculative-config, and
 the engine's output with guesses equal to the output without them (and to transformers')."""
 from __future__ import annotations
 
 import random
 
 import pytest
+from hf_reference import hf_greedy, load_hf
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import make_tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError, EngineArgs, SpeculativeConfig, parse_speculative_config
-from kvserve.engine.request import Request
-from kvserve.engine.spec_decode import NgramProposer, speculation_allowed
-
-from hf_reference import hf_greedy, load_hf
-from tiny_models import make_tiny_model
+from kvserve.core.request import Request
+from kvserve.sched.spec_decode import NgramProposer, speculation_allowed
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

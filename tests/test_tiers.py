@@ -9,13 +9,13 @@ import time
 
 import pytest
 import torch
+from redis_server import RedisServer
 
+from kvserve.cache.codec import BlockFormatError, pack_block, packed_size, unpack_block
 from kvserve.config import ConfigError
-from kvserve.kv.tiers import (AsyncWriter, BlockFormatError, DiskTier, EngineFingerprint, FrameError,
-                              HostTier, frame_header, open_frame, pack_block, packed_size, unpack_block)
+from kvserve.kv.tiers import AsyncWriter, DiskTier, EngineFingerprint, FrameError, HostTier, frame_header, open_frame
 from kvserve.kv.tiers.base import frame_size
 from kvserve.kv.tiers.redis_tier import RedisTier
-from redis_server import RedisServer
 
 FP = EngineFingerprint(model="SmolLM2-135M-Instruct.Q4_1.gguf", kv_cache_dtype="bfloat16", block_size=16,
                        num_layers=30, num_kv_heads=3, head_dim=64)

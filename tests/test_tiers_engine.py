@@ -10,12 +10,11 @@ import os
 import random
 
 import pytest
-
-from kvserve import LLM, SamplingParams
-
 from hf_reference import hf_greedy, load_hf
 from redis_server import RedisServer
 from tiny_models import make_tiny_model
+
+from kvserve import LLM, SamplingParams
 
 GEN = 6
 BS = 16
@@ -438,7 +437,7 @@ def test_bf16_kernel_layout_blocks_come_back_bit_exact(tmp_path):
     the first run computed last, over K/V that must have come back bit for bit."""
     import torch
 
-    from kvserve.model.attention.cpu_kernel import varlen_kernel_for
+    from kvserve.ops.cpu_kernels import varlen_kernel_for
     if varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is None:
         pytest.skip("no AVX512-BF16 kernel here: bf16 keeps the token-major layout")
     path = make_tiny_model(tmp_path, kind="llama_d64")

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
+from kvserve.core.request_log import format_request_log_record
 from kvserve.tools import analyze as analyze_tool
-from kvserve.tools.analyze import (format_request_log_record, percentile, read_request_log,
-                                   recommend_max_model_len, simulate_prefix_cache)
+from kvserve.tools.analyze import percentile, read_request_log, recommend_max_model_len, simulate_prefix_cache
 from kvserve.tools.plan import plan_kv
 from kvserve.tools.presets import PRESETS
 

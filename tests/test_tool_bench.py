@@ -10,12 +10,12 @@ import sys
 import time
 
 import pytest
+from server_util import SMALL, shared_server
 
 from kvserve.cli import main
 from kvserve.config import ConfigError
 from kvserve.tools.bench_report import latency
 from kvserve.tools.workload import LengthDist, WorkloadSpec, is_shared, synthetic_trace
-from server_util import SMALL, shared_server
 
 BLOCK = 16
 

@@ -65,7 +65,7 @@ def test_fp8_halves_a_16_bit_cache(name):
     for fp8 in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         p = plan_kv(cfg, 8 * GIB, 16, fp8, "bfloat16", 4096)
         # Half the bytes, plus per block and layer a float32 scale per KV head for K and for V and
-        # an e4m3 key mean per channel (key centering, kvserve.kv.quant.quantize_fp8).
+        # an e4m3 key mean per channel (key centering, kvserve.cache.quantizers.quantize_fp8).
         H, D = cfg.num_key_value_heads, cfg.head_dim
         assert p.bytes_per_block == bf16.bytes_per_block // 2 + cfg.num_hidden_layers * (2 * 4 * H + H * D)
         # The pool nearly doubles (64/33: the means cost 1/16 byte per element at block 16), less
@@ -98,7 +98,8 @@ def test_smollm2_quantized_figures_by_hand():
 def test_bytes_per_block_equal_the_engine_cache_allocation(kv_cache_dtype, block_size):
     """What the plan divides by is what the quantized cache actually allocates per block."""
     import torch
-    from kvserve.model.kv_cache import create_kv_cache
+
+    from kvserve.cache.factory import create_kv_cache
     cfg = replace(SMOL, num_hidden_layers=2)
     cache = create_kv_cache(cfg, num_blocks=3, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                             dtype=torch.bfloat16)
@@ -107,8 +108,9 @@ def test_bytes_per_block_equal_the_engine_cache_allocation(kv_cache_dtype, block
 
 def _engine_budget(cfg, kv_cache_memory, block_size, kv_cache_dtype, max_model_len):
     import torch
+
     from kvserve.config import EngineArgs
-    from kvserve.engine.setup import kv_budget_for
+    from kvserve.runner.build import kv_budget_for
     args = EngineArgs(kv_cache_memory=kv_cache_memory, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                       max_model_len=max_model_len)
     return kv_budget_for(args, cfg, torch.bfloat16, torch.device("cpu"))

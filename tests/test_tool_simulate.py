@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import make_tiny_model
 
 from kvserve.config import EngineArgs
+from kvserve.core.request_log import format_request_log_record
+from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.engine import LLMEngine
-from kvserve.engine.sampling_params import SamplingParams
 from kvserve.tools import simulate as sim
-from kvserve.tools.analyze import format_request_log_record
 from kvserve.tools.workload import LengthDist, WorkloadSpec, synthetic_trace, trace_from_request_log
-from tiny_models import make_tiny_model
 
 BLOCK = 16
 NUM_BLOCKS = 40

@@ -25,14 +25,15 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvserve.config import ConfigError, ModelConfig  # noqa: E402
-from kvserve.model.attention import triton_backend  # noqa: E402
-from kvserve.model.attention.base import build_attention_metadata  # noqa: E402
-from kvserve.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kvserve.model.attention.triton_backend import (  # noqa: E402
-    TritonAttentionBackend, select_attention_backend, triton_support)
-
 from attention_cases import HEADS, assert_matches, cache_for, greedy_generate, run_step  # noqa: E402
+
+from kvserve.attention import triton as triton_backend  # noqa: E402
+from kvserve.attention.base import build_attention_metadata  # noqa: E402
+from kvserve.attention.cpu import CPUAttentionBackend  # noqa: E402
+from kvserve.attention.selector import select_attention_backend  # noqa: E402
+from kvserve.attention.triton import TritonAttentionBackend, triton_support  # noqa: E402
+from kvserve.config import ConfigError, ModelConfig  # noqa: E402
+
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", ["gqa", "mha"])
@@ -131,7 +132,7 @@ def test_cpu_without_interpreter_names_the_flag(monkeypatch: pytest.MonkeyPatch)
     assert not support.available and "TRITON_INTERPRET=1" in support.reason
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
         select_attention_backend("triton", tiny_config(), "cpu")
-    assert isinstance(select_attention_backend("auto", tiny_config(), "cpu"), TorchAttentionBackend)
+    assert isinstance(select_attention_backend("auto", tiny_config(), "cpu"), CPUAttentionBackend)
 
 
 def test_missing_triton_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,11 +144,11 @@ def test_missing_triton_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_selection_rules() -> None:
-    assert isinstance(select_attention_backend("torch", tiny_config(), "cpu"), TorchAttentionBackend)
+    assert isinstance(select_attention_backend("torch", tiny_config(), "cpu"), CPUAttentionBackend)
     # Under the interpreter "triton" runs on CPU; "auto" still keeps CPU on torch.
     chosen = select_attention_backend("triton", tiny_config(sliding_window=8), "cpu")
     assert isinstance(chosen, TritonAttentionBackend) and chosen.window == 8
-    assert isinstance(select_attention_backend("auto", tiny_config(), "cpu"), TorchAttentionBackend)
+    assert isinstance(select_attention_backend("auto", tiny_config(), "cpu"), CPUAttentionBackend)
     with pytest.raises(ConfigError, match="--attention-backend must be one of"):
         select_attention_backend("flash", tiny_config(), "cpu")
 
@@ -158,7 +159,7 @@ def test_quantized_cache_matches_torch_backend(kv_dtype: str) -> None:
     dequantized values - the torch backend by gathering, triton through its step-sized scratch
     pool and renumbered block tables - so outputs agree to float32 accumulation order (1e-5).
     Decodes and chunked prefills over scattered blocks, open (residual) blocks included."""
-    from kvserve.model.kv_cache import create_kv_cache
+    from kvserve.cache.factory import create_kv_cache
 
     cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -184,7 +185,7 @@ def test_quantized_cache_matches_torch_backend(kv_dtype: str) -> None:
     q = torch.randn(meta.num_tokens, 4, 32, generator=gen)
     k, v = (torch.randn(meta.num_tokens, 2, 32, generator=gen) for _ in range(2))
     got = TritonAttentionBackend(4, 2, 32, 32 ** -0.5, device="cpu").forward(1, q, k, v, caches[0], meta)
-    want = TorchAttentionBackend(4, 2, 32, 32 ** -0.5).forward(
+    want = CPUAttentionBackend(4, 2, 32, 32 ** -0.5).forward(
         1, q, k, v, caches[1], build_attention_metadata(start_pos, query_lens, tables, bs))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -220,7 +221,7 @@ AOT_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kvserve.model.attention import triton_kernels as K
+    from kvserve.attention import triton_kernels as K
 
     INT_PTRS = {"block_tables_ptr", "seq_lens_ptr", "seq_ids_ptr", "token_rows_ptr",
                 "query_start_loc_ptr", "slot_mapping_ptr"}

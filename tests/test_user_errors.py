@@ -3,14 +3,13 @@ what to change (found by auditing the CLI and offline API as a vLLM user would u
 from __future__ import annotations
 
 import pytest
+from tiny_models import make_tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.cli import main
 from kvserve.config import ConfigError, EngineArgs, host_memory
-from kvserve.engine.sampling_params import SamplingParamsError
+from kvserve.core.sampling_params import SamplingParamsError
 from kvserve.model.tokenizer import TokenizerError, chat_text_messages
-
-from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +142,7 @@ def test_generation_config_folder_without_the_file_is_refused(tmp_path):
 def test_a_quantized_cache_that_holds_less_than_auto_says_so_at_startup(caplog):
     """The residual pool of a quantized cache is taken off --kv-cache-memory first (one open block per
     --max-num-seqs); where that leaves fewer tokens than a full-precision cache, startup warns."""
-    with caplog.at_level("INFO", logger="kvserve.engine.setup"):
+    with caplog.at_level("INFO", logger="kvserve.runner.build"):
         LLM(None, kv_cache_dtype="int8", kv_cache_memory=100 * 2**20, max_model_len=512)
     text = caplog.text
     assert "residual pool" in text and "takes 62.7 MiB" in text  # 178 entries: one per block

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_gguf
 
-from kvserve.model.attention import cpu_kernel
 from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue
 from kvserve.model.weight_codes import GGUFBlocks, pack_tiles
-
-from tiny_models import make_tiny_gguf
+from kvserve.ops import cpu_kernels as cpu_kernel
 
 AMX = cpu_kernel.gemm_codes_kernel("Q4_1") is not None
 needs_amx = pytest.mark.skipif(not AMX, reason="the codes kernels need a CPU with AMX")
@@ -137,10 +136,10 @@ def test_engine_tokens_and_logits_identical_with_and_without_codes(tmp_path, mon
 
 
 def test_quantization_flag_is_checked(tmp_path):
-    from kvserve.config import ConfigError, EngineArgs
-    from kvserve.engine.setup import build_engine_parts
-
     from tiny_models import make_tiny_model
+
+    from kvserve.config import ConfigError, EngineArgs
+    from kvserve.runner.build import build_engine_parts
 
     with pytest.raises(ConfigError, match="--quantization must be one of gguf, none or unset"):
         EngineArgs(quantization="awq").validate()

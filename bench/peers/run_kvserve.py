@@ -13,10 +13,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "src"))
 
 import torch  # noqa: E402
+from protocol import Run, RunnerResult, by_prefix_caching, clock, emit, read_job, timed_runs  # noqa: E402
 
 import kvserve  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
-from protocol import Run, RunnerResult, by_prefix_caching, clock, emit, read_job, timed_runs  # noqa: E402
 
 
 def generate(llm: LLM, w) -> Run:

@@ -1,8 +1,7 @@
 """kvserve: an LLM inference engine built around KV-cache management."""
 from kvserve.config import EngineArgs
-from kvserve.engine.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.version import __version__
 
 
 def __getattr__(name):  # keep `import kvserve` light: torch loads only when the engine is used

@@ -14,71 +14,12 @@ import os
 import sys
 import typing
 
-from kvserve.config import (DTYPE_ALIASES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, VLLM_NOOP,
-                            VLLM_NOOP_VALUE, VLLM_REFUSED, ConfigError, EngineArgs, accepted_values,
+from kvserve import envs
+from kvserve.config import (VLLM_NOOP, VLLM_NOOP_VALUE, VLLM_REFUSED, ConfigError, EngineArgs, accepted_values,
                             human_readable_int, parse_size)
 
 logger = logging.getLogger("kvserve")
 
-_GROUPS = {
-    "Model": ["model", "tokenizer", "served_model_name", "dtype", "quantization", "device", "seed", "max_model_len"],
-    "KV cache": ["block_size", "gpu_memory_utilization", "kv_cache_memory", "kv_cache_dtype",
-                 "enable_prefix_caching", "num_gpu_blocks_override"],
-    "KV offload tiers": ["swap_space", "cpu_offload_gb", "kv_disk_path", "kv_disk_size", "kv_redis_url"],
-    "Scheduler": ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
-                  "preemption_mode", "cache_aware_scheduling", "speculative_config"],
-}
-_CHOICES = {"dtype": DTYPES + tuple(DTYPE_ALIASES), "kv_cache_dtype": KV_CACHE_DTYPES,
-            "scheduling_policy": SCHEDULING_POLICIES,
-            "preemption_mode": PREEMPTION_MODES, "device": ("auto", "cpu", "cuda"),
-            "attention_backend": ("auto", "torch", "triton"), "quantization": ("gguf", "none")}
-_HELP = {
-    "model": "HF model directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
-    "tokenizer": "tokenizer directory when it differs from the model's",
-    "quantization": "unset: weights as the checkpoint stores them (a GGUF file's Q4_1 / Q8_0 projections are kept "
-                    "and read as codes on AMX CPUs: the same bf16 values, fewer bytes); gguf: require that; "
-                    "none: dequantize every weight at load",
-    "dtype": "compute dtype of weights and activations (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32)",
-    "device": "where the model runs",
-    "seed": "engine-wide random seed (per-request `seed` overrides it)",
-    "attention_backend": "attention kernels: torch (portable) or triton (CUDA)",
-    "generation_config": "auto: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or "
-                         "max_tokens unset take the model's generation_config.json values, as vLLM; vllm: "
-                         "ignore them; a folder: take its generation_config.json's",
-    "override_generation_config": "JSON object of generation_config.json keys merged over what "
-                                  "--generation-config gives, e.g. '{\"temperature\": 0.5}' (vLLM's)",
-    "speculative_config": "JSON object, vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                          "\"prompt_lookup_max\": 3}' guesses a greedy request's next tokens from its own "
-                          "history and keeps those the model agrees with (ngram is the method implemented)",
-    "enforce_eager": "CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps",
-    "max_cudagraph_capture_size": "CUDA: largest decode batch captured as a CUDA graph (larger batches run eagerly)",
-    "disable_cascade_attn": "read a prefix shared by many running requests once per request instead of once "
-                            "per group (cascade attention, CPU bf16 kernel; on by default)",
-    "served_model_name": "name(s) clients send as `model` (default: the model path)",
-    "max_model_len": "context length: prompt + output tokens per request; 32k = 32,000, 32K = 32,768, "
-                     "auto = the model's (default: the model's)",
-    "block_size": "tokens per KV block",
-    "gpu_memory_utilization": "fraction of device memory for weights + KV cache (CUDA)",
-    "kv_cache_memory": "KV cache budget in bytes or 4GiB-style; the budget on CPU (default 4GiB)",
-    "kv_cache_dtype": "KV element type: auto (model dtype), fp8, int8, int4 (quantized with scales)",
-    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes across requests",
-    "num_gpu_blocks_override": "exact number of KV blocks (ignores the memory budget)",
-    "swap_space": "GiB of host memory for the host KV tier (swapped-out and offloaded blocks)",
-    "cpu_offload_gb": "alias of --swap-space (the same host KV tier, in GiB); kvserve does not offload weights",
-    "kv_disk_path": "directory of the disk KV tier (persists prefixes across restarts)",
-    "kv_disk_size": "size cap of the disk tier, bytes or 20GiB-style (default 10GiB)",
-    "kv_redis_url": "redis://host:port/db of a Redis KV tier shared by several servers",
-    "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "token budget of one step (default 2048 with chunked prefill)",
-    "enable_chunked_prefill": "split long prompts across steps so decodes keep flowing",
-    "scheduling_policy": "fcfs, or priority (lower `priority` value runs first)",
-    "preemption_mode": "what happens to a preempted request's KV: recompute, or swap to the host "
-                       "tier (default: swap when --swap-space/--cpu-offload-gb is set, else recompute)",
-    "cache_aware_scheduling": "admit the waiting request with the longest cached prefix first (SGLang LPM)",
-    "check_integrity": "verify block accounting after every step (slow; debugging)",
-    "disable_log_stats": "no periodic stats log line",
-    "max_logprobs": "largest logprobs / top_logprobs a request may ask for (-1: no cap but the vocabulary, as vLLM)",
-}
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
             "compilation_config": ["-cc"], "optimization_level": ["-O"]}
 
@@ -151,19 +92,21 @@ def _vllm_int(auto: bool = False):
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """One flag per EngineArgs field, with the help text, group and choices its metadata gives."""
     hints = typing.get_type_hints(EngineArgs)
     defaults = EngineArgs()
-    groups = {title: parser.add_argument_group(f"{title} (engine)") for title in _GROUPS}
-    other = parser.add_argument_group("Debugging and other engine options")
-    where = {name: groups[title] for title, names in _GROUPS.items() for name in names}
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(EngineArgs):
-        group = where.get(f.name, other)
+        title = f.metadata["group"]
+        if title not in groups:
+            groups[title] = parser.add_argument_group(f"{title} (engine)")
+        group = groups[title]
         default = getattr(defaults, f.name)
         kind = hints[f.name]
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        kwargs: dict = {"dest": f.name, "default": default, "help": _HELP.get(f.name, f.name.replace("_", " "))}
+        kwargs: dict = {"dest": f.name, "default": default, "help": f.metadata["help"]}
         if f.name == "model" and model_positional:
-            parser.add_argument("model_pos", nargs="?", metavar="MODEL", help=_HELP["model"])
+            parser.add_argument("model_pos", nargs="?", metavar="MODEL", help=f.metadata["help"])
         if base is bool:  # --enable-x/--no-enable-x as vLLM; plain switches for off-by-default flags
             on_off = f.name.startswith("enable_") or default
             kwargs["action"] = argparse.BooleanOptionalAction if on_off else "store_true"
@@ -177,8 +120,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["nargs"] = "+"
         else:
             kwargs["type"] = base
-        if f.name in _CHOICES:
-            kwargs["choices"] = _CHOICES[f.name]
+        if f.metadata["choices"]:
+            kwargs["choices"] = f.metadata["choices"]
         if default is not None and base is not bool:
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(_flag(f.name), **kwargs)
@@ -279,7 +222,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     check_api_keys(ns)
     args = engine_args_from(ns)
     # vLLM reads VLLM_API_KEY when --api-key is not given; a launch script relying on it must not run open.
-    env_key = os.environ.get("VLLM_API_KEY")
+    env_key = envs.VLLM_API_KEY
     auth = Authenticator(load_api_keys(ns.api_key or ([env_key] if env_key else []), ns.api_keys_file))
     names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     llm = AsyncLLM.from_engine_args(args)
@@ -288,7 +231,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     llm.step_listeners.append(metrics)
     if not args.disable_log_stats:
         # vLLM's VLLM_LOG_STATS_INTERVAL, under our prefix.
-        llm.step_listeners.append(StatLogger(float(os.environ.get("KVSERVE_LOG_STATS_INTERVAL", "10"))))
+        llm.step_listeners.append(StatLogger(envs.KVSERVE_LOG_STATS_INTERVAL))
     if ns.request_log:
         llm.step_listeners.append(RequestLogWriter(ns.request_log))
     cors = CorsConfig(ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials)
@@ -377,8 +320,8 @@ def _stream(engine, request_id: str, prompt, params, out=sys.stdout):
 
 
 def _engine_and_params(ns):
+    from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine.engine import LLMEngine
-    from kvserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_engine_args(engine_args_from(ns))
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
@@ -464,7 +407,7 @@ def _add_tools(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine and OpenAI-compatible "
                                      "server built around KV-cache management.")
-    from kvserve import __version__
+    from kvserve.version import __version__
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(sub)
@@ -493,8 +436,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     so `kvserve plan` and friends do not import torch; a module that raised is loaded by then."""
     kinds: list[type[BaseException]] = [ConfigError]
     for module, name in (("kvserve.model.loader", "ModelLoadError"), ("kvserve.model.tokenizer", "TokenizerError"),
-                         ("kvserve.engine.outputs", "RequestError"), ("kvserve.kv.quant", "QuantError"),
-                         ("kvserve.engine.sampling_params", "SamplingParamsError")):
+                         ("kvserve.engine.outputs", "RequestError"), ("kvserve.cache.quantizers", "QuantError"),
+                         ("kvserve.core.sampling_params", "SamplingParamsError")):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))
     return tuple(kinds)

@@ -10,12 +10,15 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3  # vLLM CPU backend's default KV space
 DEFAULT_KV_DISK_SIZE = 10 * 1024**3  # disk KV tier cap when --kv-disk-path is given alone
@@ -167,7 +170,7 @@ SPECULATIVE_METHODS = ("ngram",)
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """--speculative-config, parsed (engine/spec_decode.py uses it)."""
+    """--speculative-config, parsed (sched/spec_decode.py uses it)."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int
@@ -212,67 +215,92 @@ def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | No
 QUANTIZATIONS = (None, "gguf", "none")
 
 
+def _arg(default: Any, help: str, group: str, choices: tuple | None = None) -> Any:
+    """An EngineArgs field: its --help text, group and choices are what the CLI shows and what
+    docs/serving.md is generated from, so they live here and nowhere else."""
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+
+
 @dataclass
 class EngineArgs:
-    model: str | None = None  # HF directory, .gguf file, hub id; None: embedded SmolLM2-135M-Instruct
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    # vLLM's flag. None: as the checkpoint is stored; a GGUF file's Q4_1 / Q8_0 weights then stay
-    # codes, the AMX projection kernel's only copy of them (model/weight_codes.py: the same bf16
-    # values, fewer bytes read per step). "gguf" requires a GGUF checkpoint; "none" (kvserve's)
-    # dequantizes every weight at load.
-    quantization: str | None = None
-    device: str = "auto"  # auto | cpu | cuda
-    seed: int = 0
-    max_model_len: int | None = None
+    """Every engine setting, under vLLM's engine-argument names; `--flag-name` <-> `flag_name`."""
+    # Model
+    model: str | None = _arg(None, "HF model directory, .gguf file or hub id (default: the embedded "
+                                   "SmolLM2-135M-Instruct)", "Model")
+    tokenizer: str | None = _arg(None, "tokenizer directory when it differs from the model's", "Model")
+    served_model_name: str | None = _arg(None, "name(s) clients send as `model` (default: the model path)", "Model")
+    dtype: str = _arg("auto", "compute dtype of weights and activations (auto: bfloat16 on CUDA and on CPUs "
+                              "with AMX or AVX512-BF16, else float32)", "Model", DTYPES + tuple(DTYPE_ALIASES))
+    quantization: str | None = _arg(
+        None, "unset: weights as the checkpoint stores them (a GGUF file's Q4_1 / Q8_0 projections are kept "
+              "and read as codes on AMX CPUs: the same bf16 values, fewer bytes); gguf: require that; "
+              "none: dequantize every weight at load", "Model", ("gguf", "none"))
+    device: str = _arg("auto", "where the model runs", "Model", DEVICES)
+    seed: int = _arg(0, "engine-wide random seed (per-request `seed` overrides it)", "Model")
+    max_model_len: int | None = _arg(None, "context length: prompt + output tokens per request; 32k = 32,000, "
+                                           "32K = 32,768, auto = the model's (default: the model's)", "Model")
+    generation_config: str = _arg(
+        "auto", "auto: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or max_tokens "
+                "unset take the model's generation_config.json values, as vLLM; vllm: ignore them; a folder: "
+                "take its generation_config.json's", "Model")
+    override_generation_config: dict | None = _arg(
+        None, "JSON object of generation_config.json keys merged over what --generation-config gives, "
+              "e.g. '{\"temperature\": 0.5}' (vLLM's)", "Model")
+    max_logprobs: int = _arg(20, "largest logprobs / top_logprobs a request may ask for (-1: no cap but the "
+                                 "vocabulary, as vLLM)", "Model")
     # KV cache
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes; the budget on CPU (default 4 GiB)
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None  # exact pool size, for tests and what-if runs
-    swap_space: float = 0.0  # GiB of host memory for swapped/offloaded KV (the host tier)
-    cpu_offload_gb: float = 0.0  # alias of swap_space: the same host tier, in GiB
-    kv_disk_path: str | None = None  # directory of the disk KV tier (persists across restarts)
-    kv_disk_size: str | int | None = None  # its size cap, bytes or 20GiB-style (default 10GiB)
-    kv_redis_url: str | None = None  # redis://host:port/db of a Redis KV tier shared by servers
+    block_size: int = _arg(16, "tokens per KV block: 1, 2, 4, 8, 16, 32, 64 or 128", "KV cache")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of device memory for weights + KV cache (CUDA)", "KV cache")
+    kv_cache_memory: int | None = _arg(None, "KV cache budget in bytes or 4GiB-style; the budget on CPU "
+                                             "(default 4GiB)", "KV cache")
+    kv_cache_dtype: str = _arg("auto", "KV element type: auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8, "
+                                       "int4 (quantized with scales)", "KV cache", KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of identical prompt prefixes across requests",
+                                       "KV cache")
+    num_gpu_blocks_override: int | None = _arg(None, "exact number of KV blocks (ignores the memory budget)",
+                                               "KV cache")
+    # KV offload tiers
+    swap_space: float = _arg(0.0, "GiB of host memory for the host KV tier (swapped-out and offloaded blocks)",
+                             "KV offload tiers")
+    cpu_offload_gb: float = _arg(0.0, "alias of --swap-space (the same host KV tier, in GiB); kvserve does not "
+                                      "offload weights", "KV offload tiers")
+    kv_disk_path: str | None = _arg(None, "directory of the disk KV tier (persists prefixes across restarts)",
+                                    "KV offload tiers")
+    kv_disk_size: str | int | None = _arg(None, "size cap of the disk tier, bytes or 20GiB-style (default 10GiB)",
+                                          "KV offload tiers")
+    kv_redis_url: str | None = _arg(None, "redis://host:port/db of a Redis KV tier shared by several servers",
+                                    "KV offload tiers")
     # Scheduler
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    # None: swap when a host tier exists (measured 4-16 % faster than recompute, see README),
-    # recompute otherwise.
-    preemption_mode: str | None = None
-    # Among waiting requests that fit, admit those with the longest cached prefix first (SGLang's LPM).
-    cache_aware_scheduling: bool = False
-    # Debugging and logging
-    check_integrity: bool = False  # verify block accounting after every step (slow)
-    disable_log_stats: bool = False
-    max_logprobs: int = 20
-    # vLLM's default "auto": the model's generation_config.json sampling values (temperature, top_p,
-    # top_k, min_p, repetition_penalty, max_new_tokens) are LLM.generate's sampling parameters when
-    # none are given, and the server's defaults for fields a request leaves unset; "vllm" ignores
-    # them; a folder path reads its generation_config.json instead of the model's.
-    generation_config: str = "auto"
-    # vLLM's: generation_config.json keys (temperature, top_p, top_k, min_p, repetition_penalty,
-    # max_new_tokens) merged over those --generation-config chose, e.g. {"temperature": 0.5}.
-    override_generation_config: dict | None = None
-    attention_backend: str = "auto"  # auto | torch | triton
-    # vLLM's flag: attend shared prefixes per sequence instead of once per group of decodes
-    # (kvserve's cascade runs in the CPU bf16 kernel; see model/attention/cascade.py).
-    disable_cascade_attn: bool = False
-    # CUDA: decode steps replay CUDA graphs captured at start-up for batch sizes 1, 2, 4, 8, 16, ...
-    # up to min(max_num_seqs, max_cudagraph_capture_size) (engine/cuda_graph.py); enforce_eager
-    # turns them off. Ignored on CPU.
-    enforce_eager: bool = False
-    max_cudagraph_capture_size: int = 512
-    # vLLM's: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}' (a JSON
-    # object, or a dict offline). Greedy requests then feed guesses from their own history and keep
-    # those the model agrees with (engine/spec_decode.py); only the ngram method is implemented.
-    speculative_config: dict | str | None = None
+    max_num_seqs: int = _arg(256, "most sequences in one batch", "Scheduler")
+    max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default 2048 with chunked prefill, "
+                                                    "else max(max_model_len, 2048))", "Scheduler")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps so decodes keep flowing", "Scheduler")
+    scheduling_policy: str = _arg("fcfs", "fcfs, or priority (lower `priority` value runs first)", "Scheduler",
+                                  SCHEDULING_POLICIES)
+    preemption_mode: str | None = _arg(None, "what happens to a preempted request's KV: recompute, or swap to the "
+                                             "host tier (default: swap when --swap-space/--cpu-offload-gb is set, "
+                                             "else recompute)", "Scheduler", PREEMPTION_MODES)
+    cache_aware_scheduling: bool = _arg(False, "admit the waiting request with the longest cached prefix first "
+                                               "(SGLang's longest-prefix-match)", "Scheduler")
+    speculative_config: dict | str | None = _arg(
+        None, "JSON object, vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 3}' guesses a greedy request's next tokens from its own history and keeps "
+              "those the model agrees with (ngram is the method implemented)", "Scheduler")
+    # Kernels
+    attention_backend: str = _arg("auto", "attention kernels: torch (the CPU kernels, SDPA elsewhere) or "
+                                          "triton (CUDA); auto: triton on CUDA when installed", "Kernels",
+                                  ATTENTION_BACKENDS)
+    disable_cascade_attn: bool = _arg(False, "read a prefix shared by many running requests once per request "
+                                             "instead of once per group (cascade attention, CPU bf16 kernel; on "
+                                             "by default)", "Kernels")
+    enforce_eager: bool = _arg(False, "CUDA: run every step eagerly instead of replaying CUDA graphs for decode "
+                                      "steps", "Kernels")
+    max_cudagraph_capture_size: int = _arg(512, "CUDA: largest decode batch captured as a CUDA graph (larger "
+                                                "batches run eagerly)", "Kernels")
+    # Logging and debugging
+    check_integrity: bool = _arg(False, "verify block accounting after every step (slow; debugging)",
+                                 "Logging and debugging")
+    disable_log_stats: bool = _arg(False, "no periodic stats log line", "Logging and debugging")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -391,6 +419,30 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+@dataclass
+class SchedulerConfig:
+    """What the scheduler reads, under EngineArgs' names, with the values resolved (the budget and
+    context length are numbers here, the speculative config parsed)."""
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    scheduling_policy: str = EngineArgs.scheduling_policy
+    cache_aware_scheduling: bool = EngineArgs.cache_aware_scheduling
+    preemption_mode: str = "recompute"
+    speculative_config: SpeculativeConfig | None = None
+    cache_aware_window: int = 128  # how many waiting requests the cache-aware pass ranks (no flag)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+        """`args` validated; `max_model_len` resolved against the model and the KV pool."""
+        return cls(max_num_batched_tokens=args.resolved_max_num_batched_tokens(max_model_len),
+                   max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                   enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
+                   cache_aware_scheduling=args.cache_aware_scheduling, preemption_mode=args.preemption_mode,
+                   speculative_config=args.speculative)
 
 
 @dataclass

@@ -20,32 +20,32 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvserve.config import ConfigError, EngineArgs
+from kvserve.cache.offload import build_kv_tiers
+from kvserve.config import ConfigError, EngineArgs, SchedulerConfig
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError,
-                                    RequestMetrics, RequestOutput, RequestProgress)
-from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
-from kvserve.engine.kv_transfer import build_kv_tiers
-from kvserve.engine.setup import EngineSetup, build_engine_parts
+from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError, RequestMetrics, RequestOutput,
+                                    RequestProgress)
 from kvserve.kv.manager import KVCacheManager
+from kvserve.runner.build import EngineSetup, build_engine_parts
+from kvserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "RequestError", "RequestOutput", "CompletionOutput", "EngineStats"]
 
 
-SHUTDOWN_WRITE_SECONDS = 60  # the write-back's limit, its queueing included (KVTransfer.persist)
+SHUTDOWN_WRITE_SECONDS = 60  # the write-back's limit, its queueing included (KVOffloader.persist)
 
 
-def _shutdown_tiers(kv: KVCacheManager, transfer, tiers) -> None:
+def _shutdown_tiers(kv: KVCacheManager, offloader, tiers) -> None:
     """The engine's tiers at shutdown: the blocks still in the pool are written to disk / Redis
     (they only go down on eviction otherwise), then the tiers close. Holds no engine reference."""
     handed, refused_before, finished = 0, {}, True
-    if transfer is not None and tiers.lower:
+    if offloader is not None and tiers.lower:
         refused_before = {t.name: t.stats().rejected for t in tiers.lower}
-        handed = transfer.persist(kv.cached_blocks(), timeout=SHUTDOWN_WRITE_SECONDS)
+        handed = offloader.persist(kv.cached_blocks(), timeout=SHUTDOWN_WRITE_SECONDS)
         finished = not handed or tiers.flush(SHUTDOWN_WRITE_SECONDS)
         if not finished:
             logger.warning("shutdown: the KV tier writer did not finish within %d s; some of the %d cached "
@@ -103,26 +103,19 @@ class LLMEngine:
         tokenizer = self.tokenizer  # not self: no reference cycle through the cache
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda t: tokenizer.decode([t], skip_special_tokens=False))
-        self.kv_tiers, self.kv_transfer = None, None
+        self.kv_tiers, self.kv_offloader = None, None
         if args.has_kv_tiers:
             if setup.fingerprint is None:
                 raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
                                   "build_engine_parts, or set EngineSetup.fingerprint")
-            self.kv_tiers, self.kv_transfer = build_kv_tiers(args, setup.fingerprint, self.runner.kv_cache)
+            self.kv_tiers, self.kv_offloader = build_kv_tiers(args, setup.fingerprint, self.runner.kv_cache)
         self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
                                  args.kv_cache_dtype, tiers=self.kv_tiers)
         if self.kv_tiers is not None:
             # close(), or an engine dropped without it (garbage collection, interpreter exit):
             # the pool's cached blocks go down too, the writer drains, the directory unlocks.
-            self._close_tiers = weakref.finalize(self, _shutdown_tiers, self.kv, self.kv_transfer, self.kv_tiers)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.resolved_max_num_batched_tokens(self.max_model_len),
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            policy=args.scheduling_policy,
-            cache_aware=args.cache_aware_scheduling, preemption_mode=args.preemption_mode,
-            speculative=args.speculative), self.kv)
+            self._close_tiers = weakref.finalize(self, _shutdown_tiers, self.kv, self.kv_offloader, self.kv_tiers)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_args(args, self.max_model_len), self.kv)
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, _Sequence] = {}
         self._group_of: dict[str, _Group] = {}
@@ -295,8 +288,8 @@ class LLMEngine:
         for entry in sched.scheduled:
             if entry.request.first_scheduled_time is None:
                 entry.request.first_scheduled_time = now
-        if self.kv_transfer is not None and (sched.kv_offloads or sched.kv_restores):
-            self.kv_transfer.apply(sched)  # before the runner's copies and forward write the pool
+        if self.kv_offloader is not None and (sched.kv_offloads or sched.kv_restores):
+            self.kv_offloader.apply(sched)  # before the runner's copies and forward write the pool
         if sched.is_empty and not sched.finished_req_ids:
             return []
         if sched.scheduled:

@@ -14,9 +14,9 @@ import random
 from typing import Sequence
 
 from kvserve.config import EngineArgs, vllm_only_args
+from kvserve.core.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestError, RequestOutput
-from kvserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 # As vLLM: a string, token ids, or its TextPrompt / TokensPrompt dicts.
 Prompt = str | list[int] | dict

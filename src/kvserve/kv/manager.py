@@ -23,13 +23,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from kvserve.engine.request import Request
-from kvserve.engine.scheduler_output import BlockCopy, BlockOffload, BlockRestore
+from kvserve.core.request import Request
+from kvserve.core.step import BlockCopy, BlockOffload, BlockRestore
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.hashing import extend_block_hashes, root_hash
 
 if TYPE_CHECKING:
-    from kvserve.kv.tiers.chain import Fetched, TierChain
+    from kvserve.kv.tiers.chain import TierChain
 
 # Tier lookups read disk / Redis: remember the last few per waiting request across attempts.
 _TIER_MEMO_SIZE = 16

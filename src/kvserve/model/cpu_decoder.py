@@ -1,9 +1,9 @@
 """The decoder stack in one compiled call on CPU (csrc/decoder_bf16.cpp).
 
 `LlamaModel.forward` calls ~8 compiled kernels per layer from Python; at batch 1 the Python
-between them is ~15 % of a step (bench/NOTES.md, session 16). Where every one of those calls is
-a compiled kernel (bf16 on a CPU with AVX512-BF16: packed projections with their rotary and
-SiLU epilogues, the fused residual-add + RMSNorm, and the varlen attention kernel over a "pairs"
+between them is ~15 % of a step (bench/NOTES.md, "The layer loop as one compiled call"). Where
+every one of those calls is a compiled kernel (bf16 on a CPU with AVX512-BF16: packed projections
+with their rotary and SiLU epilogues, the fused residual-add + RMSNorm, and the varlen attention kernel over a "pairs"
 cache), `run_decoder_bf16` makes the same calls with the same arguments in a C loop over the
 layers, so its output is bit-identical to the Python loop's. Everything else (float32, biases,
 quantized caches, other devices) keeps the Python loop.
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.model.attention.cpu_kernel import load_library
 from kvserve.model.linear import Linear
+from kvserve.ops.cpu_kernels import load_library
 
 if TYPE_CHECKING:
-    from kvserve.model.attention.torch_backend import VarlenPlan
+    from kvserve.attention.cpu import VarlenPlan
     from kvserve.model.llama import LlamaModel
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

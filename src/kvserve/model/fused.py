@@ -42,7 +42,7 @@ class ElementwiseOps:
         self._triton = None  # fused_triton, on CUDA
         dev = torch.device(device)
         if dtype == torch.bfloat16 and dev.type == "cpu":
-            from kvserve.model.attention.cpu_kernel import elementwise_kernels
+            from kvserve.ops.cpu_kernels import elementwise_kernels
             self._add_rms_norm, self._rope, self._silu_mul = elementwise_kernels() or (None, None, None)
         elif dtype in (torch.bfloat16, torch.float16) and dev.type == "cuda" and importlib.util.find_spec("triton"):
             from kvserve.model import fused_triton

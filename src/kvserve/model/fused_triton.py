@@ -3,7 +3,8 @@
 In torch a decode step runs each RMSNorm, rotary embedding and SiLU * up as 3-5 small
 kernels; at decode sizes a kernel's fixed cost (~2 us on an H100), not its bytes, is the price,
 and they took 40 % of the GPU time of SmolLM2's batch-64 decode step on an H100 (0.75 of 1.87
-ms; 0.18 ms as these kernels; bench/NOTES.md, session 14).
+ms; 0.18 ms as these kernels; bench/NOTES.md, "One Triton kernel per elementwise step,
+compiled without FP fusion").
 Each kernel here rounds to the model dtype where torch's ops do (the residual sum, the
 normalised row before the weight, each rotary product, SiLU before the product). Rotary is
 then bit-identical to torch's; RMSNorm sums its row in another order and SiLU's exp is the

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve import envs
 from kvserve.config import ModelConfig
 from kvserve.model.weight_codes import GGUFBlocks
 
@@ -30,7 +31,7 @@ _FORMAT = "kvserve-gguf-cache-v2"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+    return Path(envs.KVSERVE_CACHE_DIR)
 
 
 def entry_dir(gguf_path: Path) -> Path:

@@ -2,13 +2,14 @@
 
 bf16 without a bias goes through a compiled kernel over the weight packed once into the
 operand layout of VDPBF16PS (AMX's B-tile layout; without AMX, interleaved by K step):
-  - on CPUs with AMX (Sapphire Rapids), model/csrc/gemm_amx.cpp: TDPBF16PS tile products. Against
+  - on CPUs with AMX (Sapphire Rapids), ops/csrc/gemm_amx.cpp: TDPBF16PS tile products. Against
     oneDNN's packed linear (AMX too), SmolLM2's 30 layers with weights from DRAM: 9.1 vs 12.0 ms
     at 1 row (the memory's rate; oneDNN streams well under it), 14.5 vs 18.2 at 64, equal at 512,
-    8 % slower at 2,048, where the fused epilogues win part of it back (bench/NOTES.md, session 13);
-  - on CPUs with AVX512-BF16 but no AMX, model/csrc/gemm_bf16.cpp: a register-tiled VDPBF16PS
+    8 % slower at 2,048, where the fused epilogues win part of it back (bench/NOTES.md, "With AMX:
+    gemm_amx.cpp, TDPBF16PS tiles over the same packed weight");
+  - on CPUs with AVX512-BF16 but no AMX, ops/csrc/gemm_bf16.cpp: a register-tiled VDPBF16PS
     loop. It took 20-35 % less time than oneDNN from 1 to 128 rows and the same at 2,048
-    (session 10, an AMD EPYC). On Sapphire Rapids VDPBF16PS issues at half the float32 FMA rate,
+    (an AMD EPYC; bench/NOTES.md, "Without AMX: gemm_bf16.cpp, a register-tiled VDPBF16PS loop"). On Sapphire Rapids VDPBF16PS issues at half the float32 FMA rate,
     so this one runs only where AMX is missing.
 
 Either kernel can also finish the projection with the elementwise pass that follows it (an
@@ -27,7 +28,8 @@ A weight loaded from GGUF blocks (Q4_1, Q8_0) is kept as those codes instead, on
 (`codes=`, model/weight_codes.py): 3.2x / 1.9x fewer bytes than the bf16 weight, expanded tile by
 tile to the same bf16 values in the product, so outputs are bit-identical. At decode sizes the
 smaller weight stream is faster (1.1-1.25x); at prefill sizes the two measured alike, so the bf16
-copy is not kept at all (bench/NOTES.md, session 21): SmolLM2's process is ~270 MB smaller.
+copy is not kept at all (bench/NOTES.md, "GGUF weight codes as the only weight
+on AMX, expanded to bf16 tiles eight k-steps ahead"): SmolLM2's process is ~270 MB smaller.
 
 float32 keeps `F.linear` (MKL sgemm): it is the reference dtype, token-exact against transformers.
 """
@@ -110,7 +112,7 @@ class Linear:
         self.epilogue = None
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bias is None
                 and n % 64 == 0):
-            from kvserve.model.attention.cpu_kernel import gemm_bf16_kernels
+            from kvserve.ops.cpu_kernels import gemm_bf16_kernels
             kernels = gemm_bf16_kernels()
             if kernels is not None and k % kernels.k_multiple == 0:
                 order = _epilogue_order(epilogue, n) if epilogue is not None else None
@@ -137,7 +139,7 @@ class Linear:
 
     def _take_codes(self, codes: GGUFBlocks, order: torch.Tensor | None, n: int, k: int) -> bool:
         """Makes the codes this layer's operand; False where this CPU has no kernel for them."""
-        from kvserve.model.attention.cpu_kernel import gemm_codes_kernel
+        from kvserve.ops.cpu_kernels import gemm_codes_kernel
         kernel = gemm_codes_kernel(codes.qtype)
         if kernel is None:
             return False

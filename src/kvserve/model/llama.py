@@ -12,12 +12,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.attention.cpu import CPUAttentionBackend
+from kvserve.cache.base import KVCache
 from kvserve.config import ModelConfig
 from kvserve.model import cpu_decoder
-from kvserve.model.attention.base import AttentionBackend, AttentionMetadata
-from kvserve.model.attention.torch_backend import TorchAttentionBackend
 from kvserve.model.fused import ElementwiseOps
-from kvserve.model.kv_cache import KVCache
 from kvserve.model.linear import SILU_MUL, Epilogue, Linear, rope_epilogue
 from kvserve.model.weight_codes import GGUFBlocks
 from kvserve.model.weight_codes import cat as weight_codes_cat
@@ -120,7 +120,7 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(c).to(self.device)
         self._rope_table = (torch.empty(0, c.head_dim, dtype=dtype),) * 2  # CPU: rope_cos_sin
         self.ops = ElementwiseOps(dtype, self.device)
-        self.attn = attention_backend or TorchAttentionBackend(
+        self.attn = attention_backend or CPUAttentionBackend(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, scale=c.head_dim ** -0.5,
             sliding_window=c.sliding_window)
         # The layer loop as one compiled call where every op in it is a compiled kernel
@@ -197,7 +197,7 @@ class LlamaModel:
         if not self.use_compiled_decoder or self._decoder_unsupported is not None:
             return None
         if self._decoder is None or self._decoder[0] is not kv_cache:
-            kernel = (self.attn.varlen_kernel_over(kv_cache) if isinstance(self.attn, TorchAttentionBackend)
+            kernel = (self.attn.varlen_kernel_over(kv_cache) if isinstance(self.attn, CPUAttentionBackend)
                       else None)
             self._decoder = (kv_cache, None if kernel is None else cpu_decoder.CompiledDecoder(
                 self, kernel, *zip(*map(kv_cache.layer_blocks, range(len(self.layers)))), kv_cache.block_size))

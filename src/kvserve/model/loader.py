@@ -17,8 +17,8 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.model import gguf_cache
 from kvserve.model.gguf import GGUFFormatError, codes_from_gguf, config_from_gguf, read_gguf, weights_from_gguf
-from kvserve.model.weight_codes import GGUFBlocks
 from kvserve.model.tokenizer import Tokenizer, TokenizerError
+from kvserve.model.weight_codes import GGUFBlocks
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 
 
 class Encoding(dict):

@@ -20,13 +20,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import kvserve
 from kvserve.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError
 from kvserve.server import protocol as P
 from kvserve.server.auth import Authenticator, effective_cache_salt
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError
-from kvserve.server.serving import OpenAIServing, ServingConfig, _sse
+from kvserve.server.serving import OpenAIServing, ServingConfig, sse_event
+from kvserve.version import __version__
 
 logger = logging.getLogger("kvserve.server")
 
@@ -178,10 +178,10 @@ async def _guard_stream(request: Request, chunks: AsyncIterator[str]) -> AsyncIt
             nxt = None
             yield chunk
     except EngineStepError as e:
-        yield _sse(APIError(str(e), status=500, type="InternalServerError").to_dict())
+        yield sse_event(APIError(str(e), status=500, type="InternalServerError").to_dict())
         yield "data: [DONE]\n\n"
     except EngineDeadError as e:  # shutdown (--shutdown-timeout) or a dead loop: the 503 a non-streamed one gets
-        yield _sse(APIError(f"the engine is not running: {e}", status=503, type="ServiceUnavailableError").to_dict())
+        yield sse_event(APIError(f"the engine is not running: {e}", status=503, type="ServiceUnavailableError").to_dict())
         yield "data: [DONE]\n\n"
     finally:
         # Nothing here may suspend: when Starlette cancels this response (its own disconnect
@@ -215,7 +215,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         llm.shutdown()
 
     no_docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_docs else {}
-    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server built around KV-cache management.", **no_docs)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if config.cors is not None:
@@ -313,7 +313,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
 
     @app.get("/version")
     async def version():
-        return {"version": kvserve.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics", response_class=Response)
     async def metrics_endpoint():
@@ -341,7 +341,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
                 raise APIError("`messages` is empty", param="messages")
             chat = P.ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                                            continue_final_message=body.continue_final_message)
-            ids = serving._chat_prompt(chat)
+            ids = serving.chat_prompt(chat)
         # vocabulary pieces, as vLLM's convert_ids_to_tokens ("Ġthere"), not decoded text
         strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return P.TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids, token_strs=strs)

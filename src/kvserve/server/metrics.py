@@ -6,7 +6,6 @@ stats) and from the step's RequestOutputs (latency and length histograms).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, Info, PlatformCollector,
                                ProcessCollector)
 
+from kvserve.core.request_log import format_request_log_record
 from kvserve.engine.async_engine import StepEvent
 from kvserve.engine.outputs import RequestProgress
 
@@ -379,23 +379,17 @@ def request_log_fields(out) -> dict:
 class RequestLogWriter:
     """--request-log PATH: one JSON line per finished request (a step listener, on the engine thread).
 
-    The line format belongs to `kvserve analyze` (tools.analyze.format_request_log_record), so the
-    writer and the reader cannot disagree.
+    The line format is kvserve.core.request_log's, which `kvserve analyze` reads.
     """
 
     def __init__(self, path: str):
-        try:
-            from kvserve.tools.analyze import format_request_log_record
-            self.format = lambda out: format_request_log_record(**request_log_fields(out))
-        except ImportError:
-            self.format = lambda out: json.dumps(request_log_fields(out), separators=(",", ":"))
         self.path = path
         self._file = open(path, "a", encoding="utf-8", buffering=1)  # line-buffered: tail -f works
 
     def __call__(self, event: StepEvent) -> None:
         for out in event.outputs:
             if out.finished:
-                self._file.write(self.format(out) + "\n")
+                self._file.write(format_request_log_record(**request_log_fields(out)) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -15,9 +15,9 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.engine.async_engine import AsyncLLM, RequestStream
 from kvserve.engine.outputs import RequestError
-from kvserve.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.model.tokenizer import TokenizerError, check_chat_template_kwargs
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
@@ -293,9 +293,9 @@ class OpenAIServing:
                                                  stop_reason=o.stop_reason)])
                     if include_usage and continuous:
                         chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
-                    yield _sse(chunk.model_dump())  # every key, null ones too, as vLLM's stream
+                    yield sse_event(chunk.model_dump())  # every key, null ones too, as vLLM's stream
             if include_usage:
-                yield _sse(P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[],
+                yield sse_event(P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[],
                                              usage=self._usage(list(finals.values()))).model_dump())
             yield "data: [DONE]\n\n"
         finally:
@@ -303,7 +303,7 @@ class OpenAIServing:
 
     # ----- /v1/chat/completions -----
 
-    def _chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=True, exclude={"tool_calls"}) for m in req.messages]
         try:  # normalises the messages (chat_text_messages) before rendering
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
@@ -335,7 +335,7 @@ class OpenAIServing:
                            param="response_format")
         if req.top_logprobs and not req.logprobs:  # 0 is vLLM's default, sent by clients that send every field
             raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
-        ids = self._truncated(self._chat_prompt(req), req)
+        ids = self._truncated(self.chat_prompt(req), req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_length(len(ids), requested, "messages")
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
@@ -362,7 +362,7 @@ class OpenAIServing:
                     index=i, delta=P.DeltaMessage(role=self.config.response_role, content=""))])
                 if include_usage and continuous:
                     role.usage = self._choice_usage(prompt_len, 0, 0)
-                yield _sse(_chat_chunk(role))
+                yield sse_event(_chat_chunk(role))
             last = None
             finished: set[int] = set()  # a choice's outputs keep coming while its siblings run (n > 1)
             async for _, out in _merge(admitted):
@@ -380,9 +380,9 @@ class OpenAIServing:
                         logprobs=self._chat_logprobs(o.delta_token_ids, o.delta_logprobs, req.top_logprobs))])
                     if include_usage and continuous:
                         chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
-                    yield _sse(_chat_chunk(chunk))
+                    yield sse_event(_chat_chunk(chunk))
             if include_usage and last is not None:
-                yield _sse(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                yield sse_event(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                                  usage=self._usage([last])).model_dump())
             yield "data: [DONE]\n\n"
         finally:
@@ -475,7 +475,7 @@ def _chat_chunk(chunk: P.ChatCompletionChunk) -> dict:
     return d
 
 
-def _sse(obj: dict) -> str:
+def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 

@@ -8,7 +8,7 @@ Input: JSON Lines, one finished request per line. Accepted fields:
   cached_tokens      prompt tokens the server served from its prefix cache    (optional)
 
 kvserve's own request log (`kvserve serve --request-log FILE`) is that format; one record per
-finished request, written by `format_request_log_record`:
+finished request, written by kvserve.core.request_log:
   time            float   unix seconds when the request finished
   request_id      str
   prompt_tokens   int     prompt length in tokens
@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import sys
-import time as _time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
@@ -33,30 +32,6 @@ from kvserve.config import ConfigError, check_block_size
 from kvserve.tools.plan import KVPlan, add_model_arguments, fmt_bytes, memory_budget, normalize_dtype, plan_kv
 from kvserve.tools.presets import resolve_model
 from kvserve.tools.workload import request_log_lines
-
-REQUEST_LOG_KEYS = ("time", "request_id", "prompt_tokens", "output_tokens", "cached_tokens",
-                    "prompt_token_ids", "ttft", "e2e", "finish_reason")
-
-
-def format_request_log_record(*, request_id: str, prompt_tokens: int, output_tokens: int, cached_tokens: int,
-                              ttft: float | None, e2e: float, finish_reason: str | None,
-                              prompt_token_ids: list[int] | None = None, time: float | None = None) -> str:
-    """One line of kvserve's request log (no trailing newline); the server appends it for --request-log."""
-    for name, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
-                        ("cached_tokens", cached_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"request log: {name} must be a non-negative int (got {value!r})")
-    if cached_tokens > prompt_tokens:
-        raise ValueError(f"request log: cached_tokens ({cached_tokens}) exceeds prompt_tokens ({prompt_tokens})")
-    if prompt_token_ids is not None and len(prompt_token_ids) != prompt_tokens:
-        raise ValueError(f"request log: {len(prompt_token_ids)} prompt_token_ids for prompt_tokens={prompt_tokens}")
-    record = {"time": _time.time() if time is None else float(time), "request_id": str(request_id),
-              "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "cached_tokens": cached_tokens}
-    if prompt_token_ids is not None:
-        record["prompt_token_ids"] = [int(t) for t in prompt_token_ids]
-    record.update(ttft=None if ttft is None else round(float(ttft), 6), e2e=round(float(e2e), 6),
-                  finish_reason=finish_reason)
-    return json.dumps(record, separators=(",", ":"))
 
 
 @dataclass

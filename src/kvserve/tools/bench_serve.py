@@ -36,7 +36,8 @@ class ClientLanes:
     connection for every queued request on each event (httpcore's `_assign_requests_to_connections`,
     O(connections x requests)). With 64 requests in flight against kvserve on 127.0.0.1 that cost
     the client 5.6 ms of CPU per request, against 0.4 ms with a client per connection - and a load
-    generator that slow measures itself, not the server (bench/NOTES.md, session 14).
+    generator that slow measures itself, not the server (bench/NOTES.md, "The benchmark's
+    HTTP client: one httpx client per request in flight").
     """
 
     def __init__(self, **client_kwargs) -> None:

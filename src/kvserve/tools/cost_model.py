@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from kvserve.engine.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from kvserve.core.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 
 
 @dataclass

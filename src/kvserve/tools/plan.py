@@ -2,7 +2,7 @@
 
 The arithmetic lives in plain functions returning dataclasses (`plan_kv`, `memory_budget`,
 `build_plan_report`). Bytes per block come from the engine's own sizing function
-(kvserve.model.kv_cache.kv_cache_bytes_per_block, which counts quantization scales), so the
+(kvserve.cache.factory.kv_cache_bytes_per_block, which counts quantization scales), so the
 startup log and this tool agree by construction; the engine may call `plan_kv` for its figures.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 
 from kvserve.config import (DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, ConfigError, ModelConfig, check_block_size,
-                             parse_size)
+                            parse_size)
 from kvserve.tools.presets import ModelSpec, count_parameters, resolve_model
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -47,7 +47,8 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, m
     the KV heads of one tensor-parallel rank: the planner cannot drift from the engine.
     """
     import torch
-    from kvserve.model.kv_cache import kv_cache_bytes_per_block
+
+    from kvserve.cache.factory import kv_cache_bytes_per_block
 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {kv_cache_dtype!r})")
@@ -65,7 +66,8 @@ def kv_reserved_bytes(cfg: ModelConfig, block_size: int, kv_cache_dtype: str, mo
                       tensor_parallel_size: int = 1, max_num_seqs: int = 256) -> int:
     """Bytes a quantized cache keeps in full precision besides its blocks (the engine's own rule)."""
     import torch
-    from kvserve.model.kv_cache import kv_cache_reserved_bytes
+
+    from kvserve.cache.factory import kv_cache_reserved_bytes
 
     rank_cfg = replace(cfg, num_key_value_heads=kv_heads_per_gpu(cfg, tensor_parallel_size))
     return kv_cache_reserved_bytes(rank_cfg, block_size, kv_cache_dtype,
@@ -125,7 +127,7 @@ def plan_kv(model_config: ModelConfig, kv_cache_memory: int, block_size: int, kv
     kv_heads = kv_heads_per_gpu(cfg, tensor_parallel_size)
     dtype = normalize_dtype(model_dtype)
     bytes_per_block = kv_bytes_per_block(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size)
-    from kvserve.model.kv_cache import blocks_in_budget, residual_pool_bytes
+    from kvserve.cache.factory import blocks_in_budget, residual_pool_bytes
     reserved = kv_reserved_bytes(cfg, block_size, kv_cache_dtype, dtype, tensor_parallel_size, max_num_seqs)
     num_blocks = blocks_in_budget(kv_cache_memory, bytes_per_block, reserved, max_num_seqs)
     blocks_per_request = -(-max_model_len // block_size)

@@ -14,11 +14,12 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
-from kvserve.config import BLOCK_SIZES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, ConfigError, check_writable, parse_size
-from kvserve.engine.request import Request
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.config import (BLOCK_SIZES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, ConfigError, SchedulerConfig,
+                            check_writable, parse_size)
+from kvserve.core.request import Request
+from kvserve.core.sampling_params import SamplingParams
 from kvserve.kv.manager import KVCacheManager
+from kvserve.sched.scheduler import Scheduler
 from kvserve.tools.cost_model import CostModelRunner, StepCost
 from kvserve.tools.plan import DTYPE_BYTES, fmt_bytes, kv_bytes_per_block, normalize_dtype, plan_kv
 from kvserve.tools.presets import count_parameters, resolve_model
@@ -114,7 +115,7 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
     sched = Scheduler(SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=max_model_len, enable_chunked_prefill=cfg.enable_chunked_prefill,
-        policy=cfg.scheduling_policy, cache_aware=cfg.cache_aware_scheduling), kv)
+        scheduling_policy=cfg.scheduling_policy, cache_aware_scheduling=cfg.cache_aware_scheduling), kv)
     recorded: dict[str, tuple[int, list[int]]] = {}
     runner = ReplayRunner(recorded, vocab_size=vocab_size, cost=cost)
     convs = {c.conversation_id: c for c in trace.conversations}

@@ -2,7 +2,7 @@
 
 host -> blocks still queued for the writer -> disk -> Redis. The manager asks for the longest
 run of a request's next chain hashes that some tier holds (`fetch`); the runner-side transfer
-(kvserve.engine.kv_transfer) puts evicted blocks into the tiers. Torch-free: payloads pass
+(kvserve.cache.offload) puts evicted blocks into the tiers. Torch-free: payloads pass
 through `decode`, a callable the transfer installs, which unpacks and checks a block against
 the engine's KV layout when the lookup hits, so a block that would not fit is a miss before the
 scheduler counts its tokens as computed, never an error in the middle of a step.

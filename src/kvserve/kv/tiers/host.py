@@ -1,8 +1,8 @@
 """Host-RAM tier (`--swap-space` GiB): the first level below the device pool.
 
-Entries live in uint8 torch tensors (page-locked on CUDA, so a restore is a DMA straight from
-them), kept in an LRU under a byte budget. Every operation is O(1) amortised: an OrderedDict
-gives LRU order, eviction pops from its cold end.
+Entries live in uint8 arrays from `allocate` (kvserve.cache.offload passes page-locked memory on
+CUDA, so a restore is a DMA straight from them), kept in an LRU under a byte budget. Every
+operation is O(1) amortised: an OrderedDict gives LRU order, eviction pops from its cold end.
 
 Swap preemption needs entries that must not be evicted while their request waits: `put_held`
 stores one outside the LRU (it still counts against the budget) until `release` or `delete`.
@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from kvserve.config import ConfigError
 from kvserve.kv.tiers.base import Buffer, EngineFingerprint, KVTier, TierUsage
@@ -26,15 +25,16 @@ class HostTier(KVTier):
     name = "host"
 
     def __init__(self, fingerprint: EngineFingerprint, capacity_bytes: int, *,
-                 pin_memory: bool | None = None, verify_checksums: bool = False):
+                 allocate: Callable[[int], np.ndarray] | None = None, verify_checksums: bool = False):
+        """`allocate(nbytes)` returns a uint8 array for one entry (default: ordinary memory)."""
         if capacity_bytes <= 0:
             raise ConfigError(f"the host KV tier needs a positive budget (got {capacity_bytes} bytes); "
                               f"set --swap-space to a size in GiB greater than 0, or leave the tier off")
         super().__init__(fingerprint, verify_checksums=verify_checksums)
         self.capacity_bytes = int(capacity_bytes)
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._lru: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # cold end first
-        self._held: dict[bytes, torch.Tensor] = {}
+        self._allocate = allocate or (lambda nbytes: np.empty(nbytes, dtype=np.uint8))
+        self._lru: OrderedDict[bytes, np.ndarray] = OrderedDict()  # cold end first
+        self._held: dict[bytes, np.ndarray] = {}
         self._used = 0
         self._held_bytes = 0
         self._lock = threading.Lock()
@@ -59,7 +59,7 @@ class HostTier(KVTier):
             entry = self._held.pop(key, None)
             if entry is None:
                 return False
-            self._held_bytes -= entry.numel()
+            self._held_bytes -= entry.nbytes
             self._lru[key] = entry
             return True
 
@@ -70,7 +70,7 @@ class HostTier(KVTier):
                 if held and key in self._lru:  # promote the present copy rather than store it twice
                     entry = self._lru.pop(key)
                     self._held[key] = entry
-                    self._held_bytes += entry.numel()
+                    self._held_bytes += entry.nbytes
                 elif key in self._lru:
                     self._lru.move_to_end(key)
                 return True
@@ -82,18 +82,16 @@ class HostTier(KVTier):
                     self._count(evictions=evicted)
                     return False
                 _, victim = self._lru.popitem(last=False)
-                self._used -= victim.numel()
+                self._used -= victim.nbytes
                 evicted += 1
             # Reserve the bytes now so a concurrent put cannot overcommit while we copy.
             self._used += size
         if evicted:
             self._count(evictions=evicted)
         try:
-            entry = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
-            # numpy assignment is a memcpy; torch's uint8 copy_ is far slower on a busy CPU.
-            dst = entry.numpy()
-            dst[:len(header)] = np.frombuffer(header, dtype=np.uint8)
-            dst[len(header):] = np.frombuffer(payload, dtype=np.uint8)
+            entry = self._allocate(size)
+            entry[:len(header)] = np.frombuffer(header, dtype=np.uint8)
+            entry[len(header):] = np.frombuffer(payload, dtype=np.uint8)
         except BaseException:
             with self._lock:
                 self._used -= size
@@ -115,8 +113,8 @@ class HostTier(KVTier):
                 self._lru.move_to_end(key)
             else:
                 entry = self._held.get(key)
-        # numpy() shares memory with the tensor; the view keeps it alive past an eviction.
-        return None if entry is None else memoryview(entry.numpy())
+        # The view keeps the entry alive past an eviction.
+        return None if entry is None else memoryview(entry)
 
     def _contains(self, key: bytes) -> bool:
         with self._lock:
@@ -129,8 +127,8 @@ class HostTier(KVTier):
                 entry = self._held.pop(key, None)
                 if entry is None:
                     return False
-                self._held_bytes -= entry.numel()
-            self._used -= entry.numel()
+                self._held_bytes -= entry.nbytes
+            self._used -= entry.nbytes
             return True
 
     def _usage(self) -> TierUsage:
