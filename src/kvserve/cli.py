@@ -437,7 +437,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     kinds: list[type[BaseException]] = [ConfigError]
     for module, name in (("kvserve.model.loader", "ModelLoadError"), ("kvserve.model.tokenizer", "TokenizerError"),
                          ("kvserve.engine.outputs", "RequestError"), ("kvserve.cache.quantizers", "QuantError"),
-                         ("kvserve.core.sampling_params", "SamplingParamsError")):
+                         ("kvserve.core.sampling_params", "SamplingParamsError"),
+                         ("kvserve.ops.cpu_kernels", "KernelBuildError")):
         if module in sys.modules:
             kinds.append(getattr(sys.modules[module], name))
     return tuple(kinds)

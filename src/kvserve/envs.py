@@ -74,6 +74,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "run as torch ops (for machines without a C++ compiler)"),
     EnvVar("TRITON_INTERPRET", _triton_bool, lambda: False,
            "triton's own: run the Triton kernels in its interpreter on CPU (tests)"),
+    EnvVar("KVSERVE_CPU_TARGET", _str, lambda: "-march=native",
+           "the compiler's target flags for the CPU kernels, e.g. \"-march=x86-64-v3\" to build them as for "
+           "an AVX2-only CPU (tests/conftest.py reads the same flags)", developer=True),
     EnvVar("KVSERVE_AMX_ATTENTION", parse_bool, lambda: True,
            "0: attention kernels use AVX512-BF16 dot products instead of AMX tiles "
            "(read by ops/csrc at each call)", developer=True),

@@ -308,7 +308,7 @@ class CPUAttentionBackend(AttentionBackend):
         return max(0, first_query_pos - self.sliding_window + 1) // block_size
 
     def _plan_prefill(self, meta: AttentionMetadata, i: int) -> _PrefillPlan:
-        start, n, seq_len, bs = meta.start_pos[i], meta.query_lens[i], meta.seq_lens[i], meta.block_size
+        start, seq_len, bs = meta.start_pos[i], meta.seq_lens[i], meta.block_size
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
         dev = meta.positions.device
         if start == 0:

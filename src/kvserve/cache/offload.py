@@ -50,19 +50,25 @@ class KVOffloader:
         self._layout = layout
         chain.decode = self.decode
         chain.on_missing = self._forget
-        block = [t[0] for t in probe]
+        block = [_token_tensor(range(kv_cache.block_size))] + [t[0] for t in probe]
         chain.entry_bytes = packed_size(block)
         if self._open_layout:
             open_state = [torch.empty(shape, dtype=dtype) for shape, dtype in self._open_layout]
             chain.open_extra_bytes = packed_size(block + open_state) - chain.entry_bytes
         self._written: OrderedDict[bytes, None] = OrderedDict()
 
-    def decode(self, payload: memoryview) -> list[torch.Tensor]:
-        tensors = unpack_block(payload)
+    def decode(self, payload: memoryview) -> tuple[tuple[int, ...], list[torch.Tensor]]:
+        """A stored block -> (its token ids, the tensors the cache's write_blocks takes)."""
+        token_ids, *tensors = unpack_block(payload)
         got = [(tuple(t.shape), t.dtype) for t in tensors]
         if got != self._layout and not (self._open_layout and got == self._layout + self._open_layout):
             raise ValueError(f"block layout {got} != this cache's {self._layout}")
-        return tensors
+        if token_ids.dtype != torch.int32 or token_ids.dim() != 1:
+            raise ValueError(f"block token ids stored as {token_ids.dtype} {tuple(token_ids.shape)}")
+        return tuple(token_ids.tolist()), tensors
+
+    def _payload(self, data: list[torch.Tensor], j: int, token_ids) -> bytearray:
+        return pack_block([_token_tensor(token_ids), *self._block_tensors(data, j)])
 
     def _block_tensors(self, data: list[torch.Tensor], j: int) -> list[torch.Tensor]:
         """Row j of read_blocks' output as stored: a sealed block without the open-state rows."""
@@ -103,7 +109,7 @@ class KVOffloader:
         if todo:
             data = self.kv_cache.read_blocks(torch.tensor([o.block_id for o in todo]))
             for j, o in enumerate(todo):
-                payload = pack_block(self._block_tensors(data, j))
+                payload = self._payload(data, j, o.token_ids)
                 if o.held:
                     host.put_held(o.key, payload)  # a failure here costs the resume a recompute
                     continue
@@ -131,7 +137,7 @@ class KVOffloader:
             part = todo[start:start + 64]
             data = self.kv_cache.read_blocks(torch.tensor([b.block_id for b in part]))
             for j, b in enumerate(part):
-                payload = pack_block(self._block_tensors(data, j))
+                payload = self._payload(data, j, b.token_ids)
                 while not writer.submit(b.key, payload):  # queue full: let it drain
                     left = deadline - time.monotonic()
                     if left <= 0 or not writer.flush(left):
@@ -168,6 +174,10 @@ class KVOffloader:
         self._written.move_to_end(key)
         if len(self._written) > _WRITTEN_MEMORY:
             self._written.popitem(last=False)
+
+
+def _token_tensor(token_ids) -> torch.Tensor:
+    return torch.tensor(list(token_ids), dtype=torch.int32)
 
 
 def engine_fingerprint(args: EngineArgs, model_config: Any, weights: dict[str, torch.Tensor],

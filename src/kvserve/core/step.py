@@ -22,9 +22,12 @@ class BlockCopy(NamedTuple):
 class BlockOffload(NamedTuple):
     """Copy block `block_id` down to the offload tiers under `key` before anything this step
     writes into it (it was just evicted or freed, and may already be handed to someone else).
-    held=True: a swapped-out request's block, kept in host memory until the request resumes."""
+    held=True: a swapped-out request's block, kept in host memory until the request resumes.
+    `token_ids` (the block's tokens) are stored with it: a restore checks them, so a hash that
+    collides can never bring back another prefix's K/V."""
     block_id: int
     key: bytes
+    token_ids: tuple[int, ...] = ()
     held: bool = False
 
 

@@ -472,6 +472,7 @@ class LLMEngine:
         c = chain.stats
         if c.decode_failures:
             stats.tier_corrupt["decode"] = c.decode_failures
+        stats.tier_token_mismatches = dict(c.token_mismatches)
         stats.host_tier_usage = stats.tier_usage.get("host", 0.0)
         stats.kv_restored_blocks = sum(c.restored_blocks.values())
         stats.kv_restore_seconds = c.lookup_seconds + c.restore_seconds

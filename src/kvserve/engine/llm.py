@@ -24,15 +24,16 @@ Message = dict[str, str]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
-def _prompt_input(prompt: Prompt) -> str | list[int]:
-    """vLLM's `{"prompt": text}` and `{"prompt_token_ids": ids}` to what the engine takes."""
+def _prompt_input(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """vLLM's `{"prompt": text}` and `{"prompt_token_ids": ids}` (each with an optional
+    `cache_salt`, vLLM's too) to what the engine takes: the prompt and its cache salt."""
     if not isinstance(prompt, dict):
-        return prompt
+        return prompt, None
     given = [k for k in _PROMPT_KEYS if k in prompt]
-    other = sorted(set(prompt) - set(_PROMPT_KEYS))
+    other = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"})
     if other:
         raise RequestError(f"prompt dict keys {other} are not supported; give 'prompt' (text) or "
-                           f"'prompt_token_ids'", "prompt")
+                           f"'prompt_token_ids', and optionally 'cache_salt'", "prompt")
     if len(given) != 1:
         raise RequestError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'",
                            "prompt")
@@ -40,7 +41,10 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
     if given[0] == "prompt_token_ids" and isinstance(value, str):
         raise RequestError("prompt_token_ids is a string; give token ids (apply_chat_template returns them "
                            "unless tokenize=False), or the text as 'prompt'", "prompt")
-    return value
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise RequestError(f"cache_salt must be a non-empty string (got {salt!r})", "cache_salt")
+    return value, salt
 
 
 # vLLM's dtype spellings beyond EngineArgs' (which takes auto / float32 / bfloat16 / float16).
@@ -131,7 +135,8 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
             try:
-                self.engine.add_request(rid, _prompt_input(prompt), p, priority=priority[i] if priority else 0)
+                text_or_ids, salt = _prompt_input(prompt)
+                self.engine.add_request(rid, text_or_ids, p, priority=priority[i] if priority else 0, cache_salt=salt)
             except RequestError as e:
                 # All or nothing, as vLLM: the call's requests added so far must not stay queued.
                 self.engine.abort_request(ids)

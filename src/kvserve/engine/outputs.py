@@ -126,6 +126,7 @@ class EngineStats:
     tier_corrupt: dict[str, int] = field(default_factory=dict)  # bad checksum, truncated, not a block
     tier_incompatible: dict[str, int] = field(default_factory=dict)  # another engine fingerprint
     tier_errors: dict[str, int] = field(default_factory=dict)  # backend failures (I/O, Redis down)
+    tier_token_mismatches: dict[str, int] = field(default_factory=dict)  # a block's hash, other tokens
     tier_bytes_read: dict[str, int] = field(default_factory=dict)
     tier_bytes_written: dict[str, int] = field(default_factory=dict)
     kv_restored_blocks: int = 0

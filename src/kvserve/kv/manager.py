@@ -124,7 +124,8 @@ class KVCacheManager:
             return self._swap_hit(req, swapped, blocks, len(blocks))
         restored: tuple = ()
         if use_tiers and self.tiers is not None and len(blocks) < max_hit // bs:
-            restored = self._fetch(req, tuple(hashes[len(blocks):max_hit // bs]))
+            first, stop = len(blocks), max_hit // bs
+            restored = self._fetch(req, tuple(hashes[first:stop]), self._by_block(tokens, first, stop))
         matched = (len(blocks) + len(restored)) * bs
         want = tokens[matched:min(matched + bs, max_hit)]
         best, best_len = None, 0
@@ -144,11 +145,17 @@ class KVCacheManager:
                     best, best_len = cand, n
         return PrefixHit(blocks, matched + best_len, best, best_len, restored)
 
-    def _fetch(self, req: Request, keys: tuple[bytes, ...], host_only: bool = False) -> tuple:
+    def _by_block(self, tokens: list[int], first: int, stop: int) -> list[list[int]]:
+        """Blocks first .. stop-1 of `tokens` (the last may be partial): what tier entries must hold."""
+        bs = self.block_size
+        return [tokens[i * bs:(i + 1) * bs] for i in range(first, stop)]
+
+    def _fetch(self, req: Request, keys: tuple[bytes, ...], tokens: list[list[int]],
+               host_only: bool = False) -> tuple:
         memo = self._tier_memo.get(req.request_id)
         if memo is not None and memo[0] == keys:
             return memo[1]
-        fetched = tuple(self.tiers.fetch(keys, host_only=host_only))
+        fetched = tuple(self.tiers.fetch(keys, tokens, host_only=host_only))
         self._tier_memo[req.request_id] = (keys, fetched)
         self._tier_memo.move_to_end(req.request_id)
         while len(self._tier_memo) > _TIER_MEMO_SIZE:
@@ -157,7 +164,8 @@ class KVCacheManager:
 
     def _swap_hit(self, req: Request, swapped: SwapRecord, blocks: list[Block], start: int) -> PrefixHit:
         """Resume of a swapped-out request: device blocks as found, the rest from its held entries."""
-        fetched = self._fetch(req, swapped.keys[start:], host_only=True)
+        tokens = self._by_block(req.all_token_ids[:swapped.num_tokens], start, len(swapped.keys))
+        fetched = self._fetch(req, swapped.keys[start:], tokens, host_only=True)
         bs = self.block_size
         complete = start + len(fetched) == len(swapped.keys)
         tail = swapped.num_tokens % bs if complete else 0
@@ -261,11 +269,12 @@ class KVCacheManager:
     def cached_blocks(self) -> list[BlockOffload]:
         """Every full block the pool holds under a chain hash, in use or cached-free: what an
         engine shutting down hands to the lower tiers (write-back only happens on eviction)."""
-        return [BlockOffload(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
+        return [BlockOffload(b.block_id, b.block_hash, tuple(b.token_ids)) for b in self.pool.blocks
+                if b.block_hash is not None]
 
     def _on_evict(self, block: Block) -> None:
         if block.block_hash is not None:  # only full blocks have a chain hash to be found by
-            self._offloads.append(BlockOffload(block.block_id, block.block_hash))
+            self._offloads.append(BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids)))
         if self._user_on_evict is not None:
             self._user_on_evict(block)
 
@@ -283,7 +292,8 @@ class KVCacheManager:
         keys = tuple(tag + str(i).encode() for i in range(n))
         if not self.tiers.reserve_held(keys):
             return False
-        self._offloads.extend(BlockOffload(b.block_id, k, held=True) for b, k in zip(blocks, keys))
+        tokens = self._by_block(req.all_token_ids[:num_tokens], 0, n)
+        self._offloads.extend(BlockOffload(b.block_id, k, tuple(t), held=True) for b, k, t in zip(blocks, keys, tokens))
         self._swapped[req.request_id] = SwapRecord(keys, num_tokens)
         return True
 

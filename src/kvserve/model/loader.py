@@ -339,12 +339,14 @@ def _load_from_hub(model: str, dtype: torch.dtype) -> LoadedModel:
     return load_hf_directory(local, dtype)
 
 
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in flags.splitlines():
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU (its /proc/cpuinfo flags line) computes bf16 fast: AMX or AVX512-BF16."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             found = set(line.split(":", 1)[1].split())
             return bool({"amx_bf16", "avx512_bf16"} & found)
@@ -364,4 +366,4 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32

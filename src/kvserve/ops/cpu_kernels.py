@@ -16,11 +16,14 @@ The same library carries the quantized caches' cache-side passes (stage_quantize
 the residual write; quantize_blocks.cpp: whole blocks to codes).
 
 The sources are compiled with `g++ -O3 -march=native -fopenmp` into one library in a cache
-directory keyed by the sources, the compiler and the CPU's flags, and called through ctypes (no
-torch headers: the build takes seconds instead of the ~1 min of a torch extension). OpenMP
-resolves to the libgomp torch already loaded, so `torch.set_num_threads` governs it too. If
-anything fails (no compiler, an unsupported dtype, KVSERVE_CPU_KERNEL=0), the lookups return None
-and the backend keeps its pure-torch path.
+directory keyed by the sources, the compiler, its target flags and the CPU's flags, and called
+through ctypes (no torch headers: the build takes seconds instead of the ~1 min of a torch
+extension). OpenMP resolves to the libgomp torch already loaded, so `torch.set_num_threads`
+governs it too. Without a compiler (a warning says so) or with KVSERVE_CPU_KERNEL=0 the lookups
+return None and the callers keep their pure-torch paths; where the CPU lacks an instruction set a
+kernel needs, its lookup returns None the same way. A compiler that fails to build the library is
+an error (KernelBuildError, with the compiler's message): silently falling back would make every
+step several times slower with nothing but a log line to say why.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -116,6 +120,7 @@ _ELEMENTWISE_ARGTYPES = {  # ops/csrc/elementwise_bf16.cpp
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_error: KernelBuildError | None = None
 
 
 def _cpu_fingerprint() -> str:
@@ -127,6 +132,14 @@ def _cpu_fingerprint() -> str:
     return flags + platform.machine()
 
 
+class KernelBuildError(RuntimeError):
+    """A C++ compiler exists but the kernel library did not build or load."""
+
+
+def find_compiler() -> str | None:
+    return envs.CXX or shutil.which("g++") or shutil.which("c++")
+
+
 def _cache_dir() -> Path:
     return Path(envs.KVSERVE_CACHE_DIR) / "kernels"
 
@@ -134,14 +147,15 @@ def _cache_dir() -> Path:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     text = "".join(src.read_text() for src in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256((text + version + _cpu_fingerprint()).encode()).hexdigest()[:16]
+    target_flags = shlex.split(envs.KVSERVE_CPU_TARGET)
+    key = hashlib.sha256((text + version + _cpu_fingerprint() + " ".join(target_flags)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         so = Path(tmp) / "paged_attention.so"
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+        cmd = [compiler, "-O3", *target_flags, "-fopenmp", "-shared", "-fPIC", "-std=c++17",
                *map(str, _SOURCES), "-o", str(so)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
@@ -151,17 +165,22 @@ def _build(compiler: str) -> Path:
 
 
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it on first call; None when it cannot be had."""
-    global _lib, _tried
+    """The compiled kernel library, building it on first call; None without a compiler or with
+    KVSERVE_CPU_KERNEL=0. Raises KernelBuildError (every call) when the compiler fails."""
+    global _lib, _tried, _error
     with _lock:
+        if _error is not None:
+            raise _error
         if _tried:
             return _lib
         _tried = True
         if not envs.KVSERVE_CPU_KERNEL:
             return None
-        compiler = envs.CXX or shutil.which("g++") or shutil.which("c++")
+        compiler = find_compiler()
         if compiler is None:
-            log.info("no C++ compiler found; decode attention uses the pure-torch path")
+            log.warning("no C++ compiler found: the CPU kernels are not built, so attention and the "
+                        "projections run as torch ops (several times slower); install g++, or set "
+                        "KVSERVE_CPU_KERNEL=0 to run without them on purpose")
             return None
         try:
             lib = ctypes.CDLL(str(_build(compiler)))
@@ -214,8 +233,11 @@ def load_library() -> ctypes.CDLL | None:
             lib.argmax_bf16_rows.restype = None
             lib.argmax_bf16_available.restype = ctypes.c_int
             _lib = lib
-        except Exception as e:  # any build or load failure: fall back, say why once
-            log.warning("paged decode kernel unavailable, using the pure-torch path: %s", e)
+        except Exception as e:
+            _error = KernelBuildError(f"the CPU kernels did not build or load with {compiler}: {e}\nFix the "
+                                      f"compiler (or point CXX at another), or set KVSERVE_CPU_KERNEL=0 to run "
+                                      f"without them (several times slower)")
+            raise _error from e
         return _lib
 
 

@@ -119,6 +119,12 @@ class BodyLimitMiddleware:
         surrogate = lone_surrogate(body)
         if surrogate is not None:
             return await self._refuse(send, 400, surrogate)
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if not ctype.endswith(b"json") and body.lstrip()[:1] in (b"{", b"["):
+            # A JSON body under another content type (`curl -d` sends x-www-form-urlencoded) is
+            # read as the JSON it is, rather than refused as "not a dictionary".
+            scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+                         + [(b"content-type", b"application/json")])
         replayed = False
 
         async def replay():

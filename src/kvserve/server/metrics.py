@@ -144,7 +144,7 @@ class ServerMetrics:
         self.tier_lookups = counter("kvserve:kv_tier_lookups", "Block lookups in an offload tier by result (hit | miss).",
                                     T + ["result"])
         self.tier_faults = counter("kvserve:kv_tier_faults", "Entries refused or backend failures by kind "
-                                   "(corrupt | incompatible | error); each is a miss, never served.", T + ["kind"])
+                                   "(corrupt | incompatible | error | token_mismatch); each is a miss, never served.", T + ["kind"])
         self.tier_bytes = counter("kvserve:kv_tier_bytes", "Bytes moved to (written) and from (read) an offload tier.",
                                   T + ["direction"])
         self.restored_blocks = counter("kvserve:kv_restored_blocks", "Blocks restored into the device pool from offload tiers.")
@@ -242,7 +242,8 @@ class ServerMetrics:
             for tier, v in values.items():
                 self._advance(f"tl:{tier}:{result}", self.tier_lookups.labels(m, tier, result), v)
         for kind, values in (("corrupt", getattr(s, "tier_corrupt", {})), ("incompatible", getattr(s, "tier_incompatible", {})),
-                             ("error", getattr(s, "tier_errors", {}))):
+                             ("error", getattr(s, "tier_errors", {})),
+                             ("token_mismatch", getattr(s, "tier_token_mismatches", {}))):
             for tier, v in values.items():
                 self._advance(f"tf:{tier}:{kind}", self.tier_faults.labels(m, tier, kind), v)
         for direction, values in (("read", getattr(s, "tier_bytes_read", {})), ("written", getattr(s, "tier_bytes_written", {}))):

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 Buffer = Union[bytes, bytearray, memoryview]
 
 # Bump when the frame header or the block codec changes: old entries then read as incompatible.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: payloads carry the block's token ids
 FRAME_MAGIC = b"KVT1"
 # magic, version, header_len, fingerprint digest, key_len, flags, payload_len, crc32
 _FRAME = struct.Struct("<4sHH16sHHQI")

@@ -23,7 +23,7 @@ USAGE_REFRESH_SECONDS = 1.0  # Redis usage costs two round trips: do not ask eve
 
 class Fetched(NamedTuple):
     tier: str  # 'host' | 'disk' | 'redis' (writer-queue hits count for the tier they are bound for)
-    data: object  # decode(payload): what the runner writes into the block
+    data: object  # what the runner writes into the block (the decoded payload's tensors)
     key: bytes  # the block hash it was found under
     stored: bool = False  # read from a lower tier's own storage (not the host, not the writer's queue)
 
@@ -37,6 +37,8 @@ class ChainStats:
     offload_skipped: int = 0  # evicted blocks already held by every tier
     offload_seconds: float = 0.0  # engine-thread time reading + packing + host puts
     decode_failures: int = 0  # payloads that passed the frame check but do not fit this KV layout
+    # Entries found under a block's hash that hold other tokens (a collision), by tier.
+    token_mismatches: dict[str, int] = field(default_factory=dict)
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     swap_fallbacks: int = 0  # preemptions that recomputed because the host tier had no room
@@ -51,7 +53,8 @@ class TierChain:
         if writer is not None:  # entries a tier loses count as never stored (drained on the engine thread)
             for tier in self.lower:
                 tier.on_lost = writer.failed.extend
-        self.decode: Callable[[memoryview], object] = lambda payload: payload
+        # payload -> (the block's token ids, what the runner writes): set by the offloader.
+        self.decode: Callable[[memoryview], tuple[tuple[int, ...], object]] = lambda payload: ((), payload)
         self.entry_bytes = 0  # packed size of one block (set by the transfer); 0: unknown
         # Extra bytes of a block that is still open (a quantized cache's full-precision residual
         # rows travel with it); a swapped-out request has at most one open block.
@@ -73,9 +76,12 @@ class TierChain:
         return [t.name for t in self.tiers]
 
     # -- lookups (scheduler thread) -------------------------------------------------------------
-    def fetch(self, keys: Sequence[bytes], host_only: bool = False) -> list[Fetched]:
-        """The longest leading run of `keys` found in some tier, decoded. Each tier is asked only
-        for the keys the tiers above it missed, in one batched call."""
+    def fetch(self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]],
+              host_only: bool = False) -> list[Fetched]:
+        """The longest leading run of `keys` found in some tier, decoded, each entry holding the
+        block's expected `tokens` (one list per key). Each tier is asked only for the keys the
+        tiers above it missed, in one batched call. An entry with other tokens under the key (a
+        hash collision) is a miss in that tier, counted, and never restored."""
         if not keys:
             return []
         start = time.perf_counter()
@@ -97,8 +103,7 @@ class TierChain:
                 if payload is None:
                     continue
                 try:
-                    found[i] = Fetched(name, self.decode(memoryview(payload)), keys[i],
-                                       tier is not None and tier is not self.host)
+                    stored_tokens, data = self.decode(memoryview(payload))
                 except Exception as exc:  # wrong layout: recompute it, never serve it
                     self.stats.decode_failures += 1
                     if self.stats.decode_failures == 1 or self.stats.decode_failures % 1000 == 0:
@@ -107,6 +112,15 @@ class TierChain:
                                        name, keys[i].hex()[:16], exc, self.stats.decode_failures)
                     if tier is not None:
                         tier.delete(keys[i])  # read once, not on every lookup
+                    continue
+                if list(stored_tokens) != list(tokens[i]):
+                    n = self.stats.token_mismatches[name] = self.stats.token_mismatches.get(name, 0) + 1
+                    if n == 1 or n % 1000 == 0:
+                        logger.warning("%s tier: the entry under block hash %s holds other tokens (a hash "
+                                       "collision); recomputing the block (%d such entries so far)",
+                                       name, keys[i].hex()[:16], n)
+                    continue
+                found[i] = Fetched(name, data, keys[i], tier is not None and tier is not self.host)
         if not host_only and self.lower and self.on_missing is not None:
             self.on_missing([keys[i] for i, f in enumerate(found) if f is None])
         run = []
