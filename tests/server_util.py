@@ -5,6 +5,7 @@ two CPU cores) and stopped at the end of the session by the fixtures' finalizers
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from helpers import free_port, wait_until  # noqa: F401 (wait_until: the tests' import)
 
 # float32: greedy output must not depend on whether a prompt hit the prefix cache (in bfloat16 a
 # one-token prefill and a full prefill round differently, so near-ties can flip).
@@ -23,12 +25,6 @@ SMALL = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "
 # The server most tests share: small model budget, a 1 MiB body limit to test 413 cheaply.
 MAIN_ARGS = [*SMALL, "--max-request-body-bytes", "1MiB", "--disable-log-stats"]
 STARTUP_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -49,17 +45,7 @@ class ServerHandle:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""
-        total, found = 0.0, False
-        for key, value in self.metrics().items():
-            base, _, rest = key.partition("{")
-            if base != name:
-                continue
-            if all(f'{k}="{v}"' in rest for k, v in labels.items()):
-                total += value
-                found = True
-        if not found:
-            raise KeyError(f"metric {name}{labels} not in /metrics")
-        return total
+        return metric_value(self.metrics(), name, **labels)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -71,7 +57,33 @@ class ServerHandle:
                 self.proc.wait(10)
 
 
+def open_request(url: str, path: str, body: dict, timeout: float = 60.0) -> socket.socket:
+    """POST `body` as JSON to `url + path` on a connection of its own and return the socket without
+    reading the answer: closing it is a client disconnect at a moment the test chooses."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
+
+
+def metric_value(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` in a parse_metrics() result whose labels include `labels`."""
+    total, found = 0.0, False
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+            found = True
+    if not found:
+        raise KeyError(f"metric {name}{labels} not in /metrics")
+    return total
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -122,14 +134,3 @@ def shared_server(request, *args: str) -> ServerHandle:
 
         request.addfinalizer(stop)  # call from a session-scoped fixture so modules share it
     return handle
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last value {last!r})")

@@ -12,11 +12,10 @@ from kvserve.attention.base import build_attention_metadata
 from kvserve.attention.cpu import CPUAttentionBackend
 from kvserve.cache.paged import PagedKVCache
 from kvserve.config import ModelConfig
-from kvserve.ops import cpu_kernels as cpu_kernel
 
 H, KVH, D, BS = 9, 3, 64, 16
 
-pytestmark = pytest.mark.skipif(cpu_kernel.gemm_bf16_kernels(amx=True) is None, reason="no AMX on this CPU")
+pytestmark = pytest.mark.needs("amx")
 
 
 @pytest.mark.parametrize("cached,new,qscale", [(100, 40, 1.0), (37, 100, 4.0), (300, 1, 4.0), (5, 1, 1.0)])

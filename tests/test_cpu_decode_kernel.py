@@ -10,15 +10,16 @@ import random
 
 import pytest
 import torch
+from fidelity import text_prompts
+from kv_cases import all_kv, assert_paths_agree, reference_float64
 
 from kvserve.attention.base import build_attention_metadata
 from kvserve.attention.cpu import CPUAttentionBackend
 from kvserve.cache.paged import PagedKVCache
 from kvserve.config import ModelConfig
-from kvserve.ops.cpu_kernels import decode_kernel_for, varlen_kernel_for
+from kvserve.ops.cpu_kernels import varlen_kernel_for
 
-pytestmark = pytest.mark.skipif(decode_kernel_for(torch.float32, 64, torch.device("cpu")) is None,
-                                reason="no C++ compiler: the kernel falls back to SDPA")
+pytestmark = pytest.mark.needs("cpu_kernels")
 
 
 def cfg(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
@@ -31,11 +32,6 @@ def _layout(heads, kv_heads, head_dim, dtype, block_size, window=None):
     """The layout the engine would build the cache in for this backend (what the kernels read)."""
     backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=1.0, sliding_window=window)
     return backend.kv_cache_layout("auto", dtype, block_size, torch.device("cpu"))
-
-
-def _all_kv(cache, layer):
-    """K and V of every block of `layer`, token-major `[num_blocks * block_size, H, D]`."""
-    return cache.gather(layer, torch.arange(cache.num_blocks))
 
 
 def run_step(dtype, heads, kv_heads, head_dim, block_size, seq_lens, query_lens, window, seed):
@@ -69,6 +65,7 @@ def run_step(dtype, heads, kv_heads, head_dim, block_size, seq_lens, query_lens,
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (4, 2, 16), (8, 2, 24)])
 def test_decodes_match_sdpa(dtype, atol, heads, kv_heads, head_dim):
@@ -94,49 +91,7 @@ def test_many_sequences_take_the_all_heads_path():
 
 # -- the bf16 varlen kernel (AVX512-BF16): decodes and prefill chunks of all sequences in one call --
 
-def _reference_float64(cache, layer, meta, q, window, scale, heads, kv_heads, fresh=None):
-    """Straightforward attention per query row in float64 over the sequence's blocks; `fresh`
-    (k, v) of the step's own tokens replaces what the cache holds for them (a quantized cache
-    stores them rounded, attention sees them as computed)."""
-    k_all, v_all = (t.double().unflatten(0, (cache.num_blocks, cache.block_size)) for t in _all_kv(cache, layer))
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    g = heads // kv_heads
-    for i in range(meta.num_seqs):
-        blocks = meta.block_tables[i, :-(-meta.seq_lens[i] // meta.block_size)]
-        keys = k_all[blocks].flatten(0, 1)[:meta.seq_lens[i]]
-        vals = v_all[blocks].flatten(0, 1)[:meta.seq_lens[i]]
-        if fresh is not None:
-            rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
-            keys[meta.start_pos[i]:], vals[meta.start_pos[i]:] = fresh[0][rows].double(), fresh[1][rows].double()
-        for r in range(meta.query_lens[i]):
-            row, pos = meta.query_start_loc[i] + r, meta.start_pos[i] + r
-            lo = max(0, pos - window + 1) if window else 0
-            for h in range(heads):
-                s = keys[lo:pos + 1, h // g] @ q[row, h].double() * scale
-                out[row, h] = torch.softmax(s, 0) @ vals[lo:pos + 1, h // g]
-    return out
-
-
-def assert_same_greedy_up_to_near_ties(runs_a, runs_b, min_identical: int, max_gap: float = 0.25) -> None:
-    """Two runs' greedy outputs (with logprobs=5) agree except where they part at a near-tie:
-    at the first difference, each run's choice is in the other's top 5 within `max_gap` (0.25:
-    2 bf16 ulps at |logit| 4-8), and at least `min_identical` outputs agree throughout."""
-    identical = 0
-    for a, b in zip(runs_a, runs_b):
-        i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        if i is None:
-            identical += 1
-            continue
-        for mine, other in ((a, b), (b, a)):  # same context up to i in both runs
-            top = {t: lp.logprob for t, lp in mine.logprobs[i].items() if lp.rank <= 5}
-            assert other.token_ids[i] in top, f"step {i}: {other.token_ids[i]} not in the top 5 {top}"
-            assert top[mine.token_ids[i]] - top[other.token_ids[i]] <= max_gap
-    assert identical >= min_identical
-
-
-varlen_available = pytest.mark.skipif(
-    varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is None,
-    reason="no AVX512-BF16 (or no compiler): bf16 attention keeps the decode kernel + SDPA")
+varlen_available = pytest.mark.needs("avx512_bf16")
 
 
 def _scattered_pairs_cache(seq_lens, heads, kv_heads, head_dim, block_size, rng):
@@ -170,7 +125,7 @@ def _decodes_over_history(seq_lens, seed, peak_every, peak):
     meta = build_attention_metadata([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, bs)
     last = torch.tensor([hist.query_start_loc[i + 1] - 1 for i in range(len(seq_lens))])
     q = torch.randn(len(seq_lens), heads, head_dim).bfloat16()
-    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads)
+    ref = reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads)
     return cache, meta, q, hist_k, hist_v, last, ref
 
 
@@ -178,6 +133,7 @@ def _decodes_over_history(seq_lens, seed, peak_every, peak):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
     (9, 3, 64, 16, None), (9, 3, 64, 48, None), (4, 2, 128, 32, None), (4, 4, 64, 16, 20),
     (8, 2, 64, 64, 7), (32, 8, 64, 16, None), (16, 2, 64, 16, None), (6, 2, 128, 16, None)])
+@pytest.mark.slow
 def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, window):
     """On AMX a decode's item covers as many K/V heads as 16 query rows hold: all 3 here, 4
     with g = 1, 2 with g = 4, and two items of 4 heads each for 32 query heads over 8. Without
@@ -204,7 +160,7 @@ def test_varlen_kernel_matches_float64(heads, kv_heads, head_dim, block_size, wi
     backend = CPUAttentionBackend(heads, kv_heads, head_dim, scale=head_dim ** -0.5,
                                     sliding_window=window)
     got = backend.forward(1, q, hist_k[rows], hist_v[rows], cache, meta).double()
-    ref = _reference_float64(cache, 1, meta, q, window, head_dim ** -0.5, heads, kv_heads)
+    ref = reference_float64(cache, 1, meta, q, window, head_dim ** -0.5, heads, kv_heads)
     assert "varlen" in meta.backend_state  # the kernel ran, not the SDPA fallback
     torch.testing.assert_close(got, ref, atol=1.5e-2, rtol=0)
 
@@ -241,6 +197,7 @@ def test_small_batch_decodes_split_their_keys_and_match_float64(seq_lens):
 
 # -- cascade: decodes sharing leading blocks attend to them together --
 
+@pytest.mark.slow
 @varlen_available
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 2, 128, 32), (8, 8, 64, 16)])
 def test_cascade_matches_float64_and_the_plain_pass(heads, kv_heads, head_dim, block_size):
@@ -277,7 +234,7 @@ def test_cascade_matches_float64_and_the_plain_pass(heads, kv_heads, head_dim, b
     meta = build_attention_metadata(start, query_lens, tables, block_size)
     q = torch.randn(meta.num_tokens, heads, head_dim).bfloat16()
     # K/V of this step's tokens: what is already in their slots (so every pass reads the same).
-    k_all, v_all = _all_kv(cache, 1)
+    k_all, v_all = all_kv(cache, 1)
     k_new, v_new = k_all[meta.slot_mapping], v_all[meta.slot_mapping]
     outs = {}
     for cascade in (True, False):
@@ -292,23 +249,20 @@ def test_cascade_matches_float64_and_the_plain_pass(heads, kv_heads, head_dim, b
             assert len(groups.members) == 40 + 6
         else:
             assert groups.num_groups == 0
-    ref = _reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads)
+    ref = reference_float64(cache, 1, meta, q, None, head_dim ** -0.5, heads, kv_heads)
     torch.testing.assert_close(outs[True], ref, atol=1.5e-2, rtol=0)
     # The split pass re-associates the softmax sums only: far closer to the plain pass than to
     # the tolerance (the outputs are bf16: one ulp at |o| ~ 1 is 2^-7).
     torch.testing.assert_close(outs[True], outs[False], atol=8e-3, rtol=0)
 
 
+@pytest.mark.slow
 @varlen_available
-def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
+def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch, smollm2_hf):
     """The embedded model in bf16 with prefix caching: decodes behind a shared 256-token prefix
-    are grouped in real steps, and greedy output is the same with cascade on and off up to bf16
-    near-ties. Random-token prompts make flat distributions where two logits one bf16 ulp apart
-    (0.125 at |logit| ~ 4-8) are common, and re-associated softmax sums may flip such a pair:
-    wherever the two runs first differ, each run's choice must be within 2 ulps of the other's.
-    Without AMX the two paths also round the probabilities to bf16 against different running
-    maxima (the prefix phase per 32-key chunk, attend_decode per 256-key segment; both are as
-    close to float64, tests below), so fewer outputs agree to the end there: 4 of 8 at least."""
+    are grouped in real steps, and greedy output is the same with cascade on and off under
+    tests/fidelity.py's rule (the paths re-associate the softmax sums and, without AMX, round the
+    probabilities to bf16 against different running maxima)."""
     from kvserve import LLM, SamplingParams
     from kvserve.attention import cpu as cpu_backend
 
@@ -322,9 +276,8 @@ def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
 
     monkeypatch.setattr(cpu_backend, "shared_prefix_groups", spy)
     llm = LLM(None, dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 2**20)
-    rng = random.Random(9)
-    prefix = [rng.randrange(49152) for _ in range(256)]
-    prompts = [prefix + [rng.randrange(49152) for _ in range(8)] for _ in range(8)]
+    prefix = text_prompts(llm.tokenizer, [256], seed=9)[0]
+    prompts = [prefix + q for q in text_prompts(llm.tokenizer, [8] * 8, seed=10)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     runs = {}
     for cascade in (True, False):
@@ -338,7 +291,7 @@ def test_engine_forms_cascade_groups_and_keeps_greedy_output(monkeypatch):
     assert off.engine.runner.model.attn.cascade is False
     flagged = [o.outputs[0] for o in off.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in flagged] == [o.token_ids for o in runs[False]] and max(seen, default=0) == 0
-    assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=4)
+    assert_paths_agree(runs[True], runs[False], prompts, smollm2_hf)
 
 
 def test_block_sizes_the_varlen_kernel_cannot_read_keep_the_token_layout(caplog):

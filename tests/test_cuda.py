@@ -8,19 +8,19 @@ its tokenizer.json (bench/random_checkpoint.py DIR --no-weights writes one).
 """
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
 import torch
 
-# Not importorskip("triton"): importing triton here, at collection, before test_triton_attention.py
-# sets TRITON_INTERPRET, would leave that file's kernels half compiled, half interpreted.
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")]
+# This file runs in a process of its own (tests/conftest.py, scripts/test.sh): test_triton_attention.py
+# sets TRITON_INTERPRET for its process, under which triton cannot use a GPU.
+pytestmark = pytest.mark.needs("cuda")
 
 from attention_cases import HEADS, assert_matches, greedy_generate, run_step  # noqa: E402
-from test_engine_fidelity import GEN, greedy, rand_prompts, tiny  # noqa: E402,F401 (tiny: fixture)
+from helpers import greedy, rand_prompts  # noqa: E402
+
+GEN = 12
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.attention.triton import interpreter_enabled  # noqa: E402
@@ -28,9 +28,7 @@ from kvserve.attention.triton import interpreter_enabled  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def compiled_kernels():
-    if interpreter_enabled():
-        pytest.skip("TRITON_INTERPRET is set in this process (test_triton_attention.py was imported): "
-                    "run test_cuda.py on its own")
+    assert not interpreter_enabled(), "TRITON_INTERPRET is set: run tests/test_cuda.py in its own process"
     # fp32 must be fp32: TF32 products would move greedy tokens against the float32 reference.
     torch.backends.cuda.matmul.allow_tf32 = False
 
@@ -114,12 +112,12 @@ def runner(llm: LLM):
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_engine_matches_transformers(tiny, enforce_eager: bool) -> None:
+def test_engine_matches_transformers(tiny, tiny_hf, enforce_eager: bool) -> None:
     """float32 on the GPU, token for token against transformers on the CPU: ragged batches
     (decode graphs of padded sizes), prefix hits, chunked prefill and preemption."""
     from hf_reference import hf_greedy
 
-    path, hf = tiny
+    path, hf = tiny, tiny_hf
     llm = LLM(str(path), dtype="float32", device="cuda", check_integrity=True, block_size=16,
               max_num_batched_tokens=64, max_num_seqs=16, num_gpu_blocks_override=24,
               max_model_len=320, enforce_eager=enforce_eager)
@@ -142,7 +140,7 @@ def test_engine_matches_transformers(tiny, enforce_eager: bool) -> None:
 def test_graph_replay_equals_eager_step(tiny, dtype: str) -> None:
     """The same decode batch (no padding: its size is a captured size) through graphs and
     eagerly: the same kernels on the same shapes, so the same tokens and logprobs."""
-    path, _ = tiny
+    path = tiny
     prompts = rand_prompts(7, [5, 40, 33, 100, 64, 17, 250, 8], 49152)
     results = {}
     for eager in (True, False):
@@ -159,8 +157,8 @@ def test_graph_replay_equals_eager_step(tiny, dtype: str) -> None:
         torch.testing.assert_close(torch.tensor(lp_g), torch.tensor(lp_e), rtol=0, atol=1e-6)
 
 
-def test_batches_past_the_largest_graph_run_eagerly(tiny) -> None:
-    path, hf = tiny
+def test_batches_past_the_largest_graph_run_eagerly(tiny, tiny_hf) -> None:
+    path, hf = tiny, tiny_hf
     from hf_reference import hf_greedy
 
     llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=12, max_cudagraph_capture_size=4,
@@ -174,10 +172,10 @@ def test_batches_past_the_largest_graph_run_eagerly(tiny) -> None:
     assert runner(llm).graphs.replays >= 8  # the tail of the batch, once it shrank to <= 4
 
 
-def test_quantized_cache_and_torch_backend_run_eagerly_on_cuda(tiny) -> None:
+def test_quantized_cache_and_torch_backend_run_eagerly_on_cuda(tiny, tiny_hf) -> None:
     """What graphs cannot capture runs eagerly with the same results: the torch backend on
     CUDA (token-exact), an fp8 cache (close to full precision)."""
-    path, hf = tiny
+    path, hf = tiny, tiny_hf
     from hf_reference import hf_greedy
 
     prompts = rand_prompts(2, [20, 64, 7], 49152)
@@ -194,7 +192,7 @@ def test_quantized_cache_and_torch_backend_run_eagerly_on_cuda(tiny) -> None:
 
 
 def test_capture_sizes_follow_max_num_seqs(tiny) -> None:
-    path, _ = tiny
+    path = tiny
     llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_seqs=24, num_gpu_blocks_override=64,
               max_model_len=128)
     assert runner(llm).graphs.sizes == [1, 2, 4, 8, 16, 24]

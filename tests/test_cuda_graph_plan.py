@@ -40,6 +40,7 @@ def test_a_non_positive_capture_size_names_enforce_eager() -> None:
         EngineArgs(max_cudagraph_capture_size=0).validate()
 
 
+@pytest.mark.slow
 def test_cpu_models_are_not_captured(tmp_path) -> None:
     from tiny_models import make_tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
+from helpers import greedy, rand_prompts
 from hf_reference import hf_greedy, load_hf
 from tiny_models import make_tiny_model
 
@@ -15,19 +15,6 @@ from kvserve.engine.outputs import RequestError
 GEN = 12
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny"), kind="llama_gqa")
-    return path, load_hf(path)
-
-
-def greedy(n=GEN):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def rand_prompts(seed, lengths, vocab):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 def check(llm, hf, prompts, n=GEN):
@@ -39,8 +26,9 @@ def check(llm, hf, prompts, n=GEN):
     return outs
 
 
-def test_batch1_and_batch32(tiny):
-    path, hf = tiny
+@pytest.mark.slow
+def test_batch1_and_batch32(tiny, tiny_hf):
+    path, hf = tiny, tiny_hf
     llm = LLM(str(path), dtype="float32", check_integrity=True, kv_cache_memory=64 * 2**20)
     vocab = llm.engine.model_config.vocab_size
     check(llm, hf, rand_prompts(0, [37], vocab))
@@ -48,8 +36,8 @@ def test_batch1_and_batch32(tiny):
     check(llm, hf, rand_prompts(1, lengths, vocab))
 
 
-def test_prefix_cache_hits_chunked_prefill_and_branching(tiny):
-    path, hf = tiny
+def test_prefix_cache_hits_chunked_prefill_and_branching(tiny, tiny_hf):
+    path, hf = tiny, tiny_hf
     llm = LLM(str(path), dtype="float32", check_integrity=True, block_size=16,
               max_num_batched_tokens=64, kv_cache_memory=64 * 2**20)
     vocab = llm.engine.model_config.vocab_size
@@ -72,8 +60,9 @@ def test_prefix_cache_hits_chunked_prefill_and_branching(tiny):
     assert llm.engine.kv.stats.partial_hit_tokens > 0
 
 
-def test_forced_preemption(tiny):
-    path, hf = tiny
+@pytest.mark.slow
+def test_forced_preemption(tiny, tiny_hf):
+    path, hf = tiny, tiny_hf
     llm = LLM(str(path), dtype="float32", check_integrity=True, block_size=8,
               num_gpu_blocks_override=14, max_model_len=96, max_num_batched_tokens=64)
     vocab = llm.engine.model_config.vocab_size
@@ -82,17 +71,19 @@ def test_forced_preemption(tiny):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [8, 32, 64, 128])
-def test_block_sizes(tiny, block_size):
-    path, hf = tiny
+def test_block_sizes(tiny, tiny_hf, block_size):
+    path, hf = tiny, tiny_hf
     llm = LLM(str(path), dtype="float32", check_integrity=True, block_size=block_size,
               kv_cache_memory=32 * 2**20)
     vocab = llm.engine.model_config.vocab_size
     check(llm, hf, rand_prompts(block_size, [1, block_size, block_size + 3, 300], vocab), n=6)
 
 
+@pytest.mark.slow
 def test_n_sequences_share_prompt_blocks_and_match_seeded_runs(tiny):
-    path, _ = tiny
+    path = tiny
     llm = LLM(str(path), dtype="float32", check_integrity=True, block_size=8, kv_cache_memory=32 * 2**20)
     prompt = rand_prompts(9, [45], llm.engine.model_config.vocab_size)[0]
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
@@ -117,14 +108,15 @@ def test_n_sequences_share_prompt_blocks_and_match_seeded_runs(tiny):
     assert len({tuple(o.token_ids) for o in together}) > 1  # sampling really happened
 
 
+@pytest.mark.slow
 def test_errors_name_the_problem(tiny, tmp_path):
-    path, _ = tiny
+    path = tiny
     from kvserve.config import ConfigError
     with pytest.raises(ConfigError, match=r"max seq len \(1024\) is larger than the maximum number of tokens.*\(64\)"):
         LLM(str(path), dtype="float32", max_model_len=1024, block_size=16, num_gpu_blocks_override=4)
     llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory=8 * 2**20)
     with pytest.raises(RequestError, match="maximum context length is 64 tokens"):
-        llm.generate([[1] * 80], greedy())
+        llm.generate([[1] * 80], greedy(GEN))
     # The engine keeps serving others after the rejection.
     out = llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

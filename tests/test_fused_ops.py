@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from kvserve.model.fused import ElementwiseOps, apply_rope, rms_norm
-from kvserve.ops.cpu_kernels import elementwise_kernels
 
-compiled = pytest.mark.skipif(elementwise_kernels() is None,
-                              reason="no AVX512-BF16 (or no compiler): bf16 keeps torch's ops")
+compiled = pytest.mark.needs("avx512_bf16")
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

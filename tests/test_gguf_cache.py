@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from tiny_models import make_tiny_gguf
 
@@ -10,6 +11,7 @@ from kvserve.model import gguf_cache
 from kvserve.model.loader import load_gguf
 
 
+@pytest.mark.slow
 def test_cache_round_trip_invalidation_and_damage(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = make_tiny_gguf(tmp_path, "llama_gqa")

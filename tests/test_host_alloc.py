@@ -2,14 +2,13 @@
 
 Each case runs in its own interpreter: the settings are process-wide and one-way."""
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+pytestmark = pytest.mark.needs("glibc")
 
 # Prints: whether glibc took the settings; whether a fresh process's first 20 MB block lies on the
 # heap (untuned glibc maps any block over 128 KB until a free raises its threshold); and the page
@@ -42,6 +41,7 @@ def _probe(tuning: str) -> tuple[bool, bool, int]:
     return tuned == "True", on_heap == "True", int(faults)
 
 
+@pytest.mark.slow
 def test_large_activations_stay_on_the_heap_and_are_not_refaulted():
     tuned, on_heap, faults = _probe("1")
     assert tuned and on_heap
@@ -50,6 +50,7 @@ def test_large_activations_stay_on_the_heap_and_are_not_refaulted():
     assert not tuned and not on_heap
 
 
+@pytest.mark.slow
 def test_the_cpu_runner_applies_the_settings(tmp_path):
     code = f"""
 from tiny_models import make_tiny_model
@@ -82,7 +83,7 @@ def _smaps_entry(ptr: int) -> dict[str, str]:
     return entry
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux /proc only")
+@pytest.mark.needs("linux")
 def test_kv_pools_are_zeroed_mappings_advised_for_huge_pages(monkeypatch):
     """zeros_huge_pages (the CPU KV caches' storage): zeros of the asked shape and dtype, in a
     mapping marked MADV_HUGEPAGE (smaps "hg"), touched at allocation (its pages are resident, as

@@ -124,6 +124,7 @@ def _twins(dtype=torch.bfloat16, num_blocks=7, block_size=16, head_dim=8):
             PagedKVCache(c, num_blocks=num_blocks, block_size=block_size, dtype=dtype, layout="pairs"))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_pairs_layout_holds_the_same_tokens(data):

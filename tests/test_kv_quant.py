@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from kv_cases import TINY, samples, write_seq
 
 from kvserve.attention.base import build_attention_metadata
 from kvserve.attention.cpu import CPUAttentionBackend
@@ -31,19 +32,6 @@ from kvserve.kv.hashing import extend_block_hashes, root_hash
 FP8_BOUNDS = {"fp8_e4m3": (2.0 ** -4, 2.0 ** -10), "fp8_e5m2": (2.0 ** -3, 2.0 ** -17)}
 QUANT_DTYPES = ["fp8", "fp8_e5m2", "int8", "int4"]
 SMOL = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 8192)  # SmolLM2-135M shapes
-TINY = ModelConfig("llama", 100, 64, 128, 2, 4, 2, 16, 1024)
-
-
-def samples(seed: int, shape=(64, 4, 64), outliers: bool = False) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    if outliers:
-        # LLM keys have a few channels 10-100x larger than the rest (KIVI, KVQuant).
-        x[..., 3] *= 80.0
-        x.view(-1)[torch.randint(0, x.numel(), (20,), generator=g)] *= 50.0
-    return x
-
-
 def fp8_ok(x, y, kind, scale):
     rel, sub = FP8_BOUNDS[kind]
     bound = torch.maximum(rel * x.abs(), sub * scale) * (1 + 1e-6)
@@ -216,17 +204,6 @@ def test_bytes_per_block_match_allocation_and_ratios():
 
 
 # ------------------------------------------------------------------------- paged round trips
-
-def write_seq(cache, table, k, v, chunks):
-    """Write a sequence's K/V `[n, H, D]` through its block table in chunks (prefill, then decodes)."""
-    bs, pos = cache.block_size, 0
-    for n in chunks:
-        p = torch.arange(pos, pos + n)
-        slots = torch.tensor(table)[p // bs] * bs + p % bs
-        for layer in range(cache.num_layers):
-            cache.write(layer, slots, k[pos:pos + n] * (layer + 1), v[pos:pos + n] * (layer + 1))
-        pos += n
-
 
 def reference_block(cache, k_blk, v_blk):
     """What a sealed block must dequantize to: the quantizer applied to the whole block."""
@@ -481,6 +458,7 @@ def test_a_write_plan_is_reused_across_layers_but_not_after_an_in_place_edit():
 @pytest.mark.parametrize("dt", ["int8", "fp8_e4m3", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("seal_at_step_end", [False, True])
+@pytest.mark.needs("cpu_kernels")
 def test_compiled_residual_write_leaves_the_cache_as_the_torch_ops_do(dt, dtype, seal_at_step_end):
     """The compiled decode-time residual write and block quantizers (whole prompt blocks, seals
     read in the residual pool) must leave every tensor of the cache (codes, metadata, residual
@@ -488,8 +466,7 @@ def test_compiled_residual_write_leaves_the_cache_as_the_torch_ops_do(dt, dtype,
     decodes filling and starting blocks, K/V given as strided views, a pool too small for the
     open blocks (evictions, re-opened blocks) and sealing."""
     from kvserve.ops.cpu_kernels import residual_write_kernel
-    if residual_write_kernel() is None:
-        pytest.skip("no C++ compiler: the torch path is the only one")
+    assert residual_write_kernel() is not None
     bs, g = 8, torch.Generator().manual_seed(7)
     caches = [create_kv_cache(TINY, num_blocks=24, block_size=bs, kv_cache_dtype=dt, dtype=dtype,
                               num_residual_blocks=4, seal_at_step_end=seal_at_step_end) for _ in range(2)]
@@ -593,8 +570,7 @@ def _compiled_vs_torch(kind: str, dtype: torch.dtype, heads: int = 2, head_dim: 
                        **kw) -> tuple[list[QuantizedKVCache], list[bool]]:
     """Two caches alike but for the block quantizer: [0] compiled (its calls' results logged), [1] torch."""
     from kvserve.ops.cpu_kernels import block_quantizers
-    if block_quantizers() is None:
-        pytest.skip("no C++ compiler: the torch path is the only one")
+    assert block_quantizers() is not None
     cfg = ModelConfig("llama", 100, heads * head_dim, 128, 2, heads, heads, head_dim, 1024)
     caches = [create_kv_cache(cfg, num_blocks=40, block_size=block_size, kv_cache_dtype=kind, dtype=dtype, **kw)
               for _ in range(2)]
@@ -622,6 +598,7 @@ BLOCK_FORMATS = [("int8", {}), ("int4", {}), ("int4", {"compact": False}), ("int
                                                          for k, kw in BLOCK_FORMATS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,head_dim", [(2, 64), (3, 8)], ids=["vector", "scalar"])
+@pytest.mark.needs("cpu_kernels")
 def test_compiled_block_quantizer_stores_what_the_torch_path_does(kind, kw, dtype, heads, head_dim):
     """The compiled quantizers (whole blocks: prefill and sealing) must store the torch path's
     codes and metadata bit for bit: tiers and swap carry them between engines. Values span tiny to
@@ -673,6 +650,8 @@ def test_compiled_block_quantizer_stores_what_the_torch_path_does(kind, kw, dtyp
 @pytest.mark.parametrize("kind,kw", [("int8", {}), ("int8", {"group_size": 8}), ("int4", {}),
                                      ("int4", {"compact": False}), ("fp8", {})],
                          ids=["int8", "int8-g8", "int4", "int4-f16", "fp8"])
+@pytest.mark.slow
+@pytest.mark.needs("cpu_kernels")
 def test_compiled_block_quantizer_edge_cases_match_the_torch_path(kind, kw, heads, head_dim):
     """Bit-equal at the edges too: mixed-sign zeros in a group (which zero the range reports decides
     a metadata sign bit), a float32 maximum so small that amax / 448 underflows (fp8 stored NaN
@@ -712,6 +691,7 @@ def test_compiled_block_quantizer_edge_cases_match_the_torch_path(kind, kw, head
 
 
 @pytest.mark.parametrize("heads,head_dim", [(2, 64), (3, 8)], ids=["vector", "scalar"])
+@pytest.mark.needs("cpu_kernels")
 def test_compiled_fp8_cast_rounds_every_e4m3_midpoint_as_torch_does(heads, head_dim):
     """The compiled float32 -> e4m3 cast against torch's at every code's neighbourhood: the code
     itself, the midpoints to its neighbours (ties to even) and one float32 ulp either side of

@@ -13,9 +13,8 @@ import random
 
 import pytest
 import torch
-from test_kv_quant import TINY, samples, write_seq
-from test_tiers_engine import BS, SMALL, documents_workload, greedy
-from tiny_models import make_tiny_model
+from helpers import greedy
+from kv_cases import BS, SMALL, TINY, documents_workload, samples, write_seq
 
 from kvserve import LLM
 from kvserve.cache.codec import pack_block
@@ -37,18 +36,13 @@ TIGHT = dict(SMALL, num_gpu_blocks_override=POOL, max_model_len=POOL * BS, check
 ROOMY = dict(TIGHT, num_gpu_blocks_override=20 * POOL)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), kind="llama_gqa"))
-
-
 def prompts_of(seed):
     return [p for batch in documents_workload(seed, **DOCS) for p in batch]
 
 
 def one_at_a_time(llm, prompts):
     """So that the working set passes through the small pool (and batches match across runs)."""
-    return [llm.generate([p], greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    return [llm.generate([p], greedy(6), use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +122,7 @@ def test_direct_formats_store_their_fields_only():
 
 @pytest.mark.parametrize("dt,tier", [("fp8_e4m3", "host"), ("int8", "host"), ("int4", "host"),
                                      ("int4", "disk")])
+@pytest.mark.slow
 def test_working_set_4x_pool_matches_roomy_pool(tiny, roomy_outputs, tmp_path, dt, tier):
     flags = dict(swap_space=0.01) if tier == "host" else dict(kv_disk_path=str(tmp_path / "kv"),
                                                                 kv_disk_size="64MiB")
@@ -178,6 +173,7 @@ def preempted_by_urgent(model, seed: int, pool: int, **settings):
         llm.engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dt", ["fp8_e4m3", "int4"])
 def test_swap_preemption_resumes_exactly(tiny, dt):
     """One request per step throughout (max_num_seqs=1), so that the run with a preemption and the
@@ -248,11 +244,7 @@ def test_residual_pool_holds_a_full_batch_beside_a_chunk_cut_mid_block(tiny, dt,
     assert short.engine.runner.kv_cache.num_residual_blocks > 4
 
 
-@pytest.fixture(scope="module")
-def tiny_d64(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_d64"), kind="llama_d64"))
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("dt", ["int8", "int4", "fp8_e4m3"])
 def test_swap_preemption_resumes_exactly_through_the_staged_kernel(tiny_d64, dt):
     """As test_swap_preemption_resumes_exactly, in bf16 at head_dim 64 and block size 16, where

@@ -10,95 +10,32 @@ the part planner's invariants; and an engine with an int8 cache takes this path 
 """
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
+from fidelity import text_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_decode_kernel import _reference_float64, assert_same_greedy_up_to_near_ties
+from kv_cases import assert_paths_agree, fill_history, make_cache, reference_float64
 
 from kvserve.attention import cpu as cpu_backend
 from kvserve.attention import staging
 from kvserve.attention.base import build_attention_metadata
 from kvserve.attention.cpu import CPUAttentionBackend
 from kvserve.attention.staging import StageScratch, plan_stage_parts
-from kvserve.cache.fp8 import Fp8PagedKVCache
-from kvserve.cache.kivi import IntPagedKVCache
-from kvserve.cache.quantizers import KVScales
-from kvserve.config import ModelConfig
-from kvserve.ops.cpu_kernels import stage_quantized_kernel, varlen_kernel_for
+from kvserve.ops.cpu_kernels import varlen_kernel_for
 
-varlen_available = pytest.mark.skipif(
-    varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is None,
-    reason="no AVX512-BF16 (or no compiler): quantized caches keep the SDPA path")
-
-
-def cfg(heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> ModelConfig:
-    return ModelConfig(architecture="llama", vocab_size=32, hidden_size=heads * head_dim,
-                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096)
-
-
-def make_cache(variant: str, num_blocks: int, block_size: int = 16, kv_heads: int = 3, head_dim: int = 64,
-               num_residual_blocks: int | None = None, seal_at_step_end: bool = False):
-    c = cfg(kv_heads * 3, kv_heads, head_dim)
-    kw = dict(num_blocks=num_blocks, block_size=block_size, dtype=torch.bfloat16,
-              num_residual_blocks=num_residual_blocks, seal_at_step_end=seal_at_step_end)
-    if variant.startswith("fp8"):
-        kind = "fp8_e5m2" if "e5m2" in variant else "fp8_e4m3"
-        if "static" in variant:
-            scales = KVScales(torch.tensor([0.05, 0.04]), torch.full((2, kv_heads), 0.03))
-            kw.pop("num_residual_blocks")
-            kw.pop("seal_at_step_end")
-            return Fp8PagedKVCache(c, kv_cache_dtype=kind, kv_scales=scales, **kw)
-        gran = "tensor" if "tensor" in variant else "head"
-        return Fp8PagedKVCache(c, kv_cache_dtype=kind, scale_granularity=gran,
-                               center_keys="uncentered" not in variant, **kw)
-    kind = "int4" if variant.startswith("int4") else "int8"
-    extra = {}
-    if "direct" in variant:
-        extra["residual"] = False
-    if "g8" in variant:
-        extra["group_size"] = 8
-    if "full-meta" in variant:
-        extra["compact"] = False
-    if "compact" in variant:
-        extra["compact"] = True
-    return IntPagedKVCache(c, kv_cache_dtype=kind, **extra, **kw)
+varlen_available = pytest.mark.needs("avx512_bf16")
 
 
 VARIANTS = ["int8", "int8 g8", "int8 direct", "int8 compact", "int4", "int4 full-meta", "int4 direct",
             "fp8", "fp8 tensor", "fp8 uncentered", "fp8_e5m2", "fp8 static"]
 
 
-def fill_history(cache, layer: int, seq_lens: list[int], seed: int):
-    """Writes `seq_lens` tokens for sequences in shuffled blocks, one sequence per write as
-    prefills would (offset keys: real keys sit off zero, which the centering and zero points
-    exist for); returns their block tables."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    bs = cache.block_size
-    need = [-(-n // bs) for n in seq_lens]
-    ids = list(range(cache.num_blocks))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at:at + n])
-        at += n
-    for n, table in zip(seq_lens, tables):
-        if n:
-            meta = build_attention_metadata([0], [n], [table], bs)
-            k = (torch.randn(n, cache.num_kv_heads, cache.head_dim) * 2 + 1.5).bfloat16()
-            v = torch.randn(n, cache.num_kv_heads, cache.head_dim).bfloat16()
-            cache.write(layer, meta.slot_mapping, k, v)
-    return tables
-
-
-@pytest.mark.skipif(stage_quantized_kernel() is None, reason="no AVX512-BF16: staging goes through gather")
+@pytest.mark.needs("avx512_bf16")
 @pytest.mark.parametrize("variant,block_size,head_dim", [(v, 16, 64) for v in VARIANTS] + [
     ("int8", 32, 128), ("int4", 64, 64), ("fp8", 32, 128), ("int4 direct", 32, 128)])
+@pytest.mark.slow
 def test_compiled_staging_is_bit_equal_to_gather(variant, block_size, head_dim):
     bs = block_size
     # 4 residual entries for 5 partial blocks: the first is evicted (quantized as it stands).
@@ -135,6 +72,7 @@ def test_compiled_staging_is_bit_equal_to_gather(variant, block_size, head_dim):
     ("int8 direct", None, None),
     ("int8", None, 2 * 2 * 3 * 64 * 16 * 2 * 3),  # parts of at most 3 blocks: one part per sequence or so
 ])
+@pytest.mark.slow
 def test_attention_over_the_scratch_matches_float64(variant, window, stage_bytes, monkeypatch):
     """Decodes, fresh prompts and mid-sequence chunks in one step, over a quantized cache. The
     tolerance is the varlen kernel's own (test_cpu_decode_kernel.py): the scratch holds exactly
@@ -166,7 +104,7 @@ def test_attention_over_the_scratch_matches_float64(variant, window, stage_bytes
     got = backend.forward(1, q, k, v, cache, meta).double()
     parts = meta.backend_state["staged"]  # the staged kernel ran, not the SDPA fallback
     assert len(parts) >= (3 if stage_bytes else 1)
-    ref = _reference_float64(cache, 1, meta, q, window, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
+    ref = reference_float64(cache, 1, meta, q, window, head_dim ** -0.5, heads, kv_heads, fresh=(k, v))
     torch.testing.assert_close(got, ref, atol=1.5e-2, rtol=0)
     # Knocking out the overlay of the step's own tokens is caught (quantized keys instead).
     if variant.startswith("int4"):
@@ -210,14 +148,14 @@ def test_stage_parts_cover_every_sequence_and_renumber_its_blocks(data):
             assert (ids[p.tables[i - p.seqs.start, cols]] == tables[i, cols]).all()
 
 
+@pytest.mark.slow
 @varlen_available
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, monkeypatch):
+def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, monkeypatch, smollm2_hf):
     """The embedded model, bf16, with a quantized cache: every step goes through the staging
-    path, and greedy output equals the SDPA path's up to near-ties (as in
-    test_engine_forms_cascade_groups_and_keeps_greedy_output): besides the bf16 rounding, the
-    SDPA path reads a decode's own key back from the cache where the staged path keeps it at
-    full precision, so the two may part where two logits are within 2 bf16 ulps."""
+    path, and greedy output equals the SDPA path's under tests/fidelity.py's rule, with two
+    bf16 roundings: the staged copy rounds the dequantized K/V to bf16, and the SDPA path reads a
+    decode's own key back from the cache where the staged path keeps it at full precision."""
     from kvserve import LLM, SamplingParams
 
     staged_steps = []
@@ -234,8 +172,7 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
               max_num_seqs=8)
     # int8 decode steps would read the codes in place (test_kv_decode_codes.py): staged here.
     llm.engine.runner.model.attn.decode_on_codes = False
-    rng = random.Random(4)
-    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (5, 40, 130, 17, 64, 9, 100, 33)]
+    prompts = text_prompts(llm.tokenizer, (5, 40, 130, 17, 64, 9, 100, 33), seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
     runs = {}
     for kernel in (True, False):
@@ -244,10 +181,7 @@ def test_engine_with_a_quantized_cache_runs_the_staged_kernel(kv_cache_dtype, mo
         llm.reset_prefix_cache()  # or the second run reads the first one's quantized prompt blocks
         runs[kernel] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert (sum(staged_steps) >= 10) if kernel else not staged_steps
-    # measured 4-5 of 8 identical; the rest part at a near-tie: within 0.25 with the AVX512-BF16
-    # kernels, one int8 output at 0.5 with the AMX ones (same attention error against
-    # float64 to 4 digits, a different trajectory), as the SDPA path's own key is quantized
-    assert_same_greedy_up_to_near_ties(runs[True], runs[False], min_identical=3, max_gap=0.5)
+    assert_paths_agree(runs[True], runs[False], prompts, smollm2_hf, roundings=2)
 
 
 def test_block_sizes_the_staging_path_cannot_read_are_named_at_start_up(caplog):

@@ -16,10 +16,10 @@ from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue
 from kvserve.ops import cpu_kernels as cpu_kernel
 
 _KERNELS = {"avx512bf16": cpu_kernel.gemm_bf16_kernels(amx=False), "amx": cpu_kernel.gemm_bf16_kernels(amx=True)}
+_NEEDS = {"avx512bf16": "avx512_bf16", "amx": "amx"}
 
 
-@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.skipif(k is None, reason=f"no {name} kernel on this CPU"))
-                        for name, k in _KERNELS.items()])
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.needs(_NEEDS[name])) for name in _KERNELS])
 def gemm(request, monkeypatch):
     """Makes `Linear` take one kernel; returns it."""
     kernel = _KERNELS[request.param]
@@ -27,6 +27,7 @@ def gemm(request, monkeypatch):
     return kernel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,k", [(64, 2), (960, 576), (576, 1536), (3072, 576), (128, 30), (128, 96)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 10, 13, 16, 17, 31, 32, 33, 64, 130, 300, 1100])
 def test_gemm_matches_the_float32_product_within_a_bf16_step(gemm, n, k, rows):

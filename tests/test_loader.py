@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-
+import transformers
 from tiny_models import (TINY_MODEL_KINDS, build_hf_model, llama_cpp_permute, make_tiny_gguf,  # noqa: E402
                          make_tiny_model, smollm2_gguf_path)
 
@@ -116,6 +114,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
         assert torch.equal(unpermute_rotary_rows(llama_cpp_permute(b, n_head), n_head), b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, quantize", [("llama_gqa", False), ("qwen2_bias", True)])
 def test_tiny_gguf_round_trip(tmp_path, kind, quantize):
     # Written as llama.cpp's converter would (llama: q/k permuted; qwen2: not, with q/k/v bias;
@@ -155,6 +154,7 @@ def tiny_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", TINY_MODEL_KINDS)
 def test_tiny_checkpoint_loads_with_hf_config_and_weights(tiny_dir, kind):
     loaded = load_model(str(tiny_dir / kind))
@@ -192,6 +192,7 @@ def test_sharded_checkpoint_reads_every_shard(tiny_dir):
     assert set(loaded.weights) == set(expected_weight_names(loaded.config))
 
 
+@pytest.mark.slow
 def test_tiny_logits_through_hf_with_loaded_weights(tiny_dir):
     # llama3 rope scaling and the explicit head_dim must survive the config round trip
     for kind in ("llama3_rope", "llama_head_dim", "qwen2_bias"):
@@ -335,6 +336,7 @@ def test_error_unsupported_architecture_directory(tiny_dir, tmp_path):
         load_model(str(d))
 
 
+@pytest.mark.slow
 def test_error_corrupt_and_truncated_gguf(tmp_path):
     src = smollm2_gguf_path()
     truncated = tmp_path / "truncated.gguf"
@@ -366,13 +368,24 @@ def test_resolve_dtype():
     assert resolve_dtype("float16", "cpu") == torch.float16
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    fast_bf16 = "amx_bf16" in flags.split() or "avx512_bf16" in flags.split()
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16 else torch.float32)
     with pytest.raises(ModelLoadError, match="--dtype must be one of"):
         resolve_dtype("fp64", "cpu")
 
 
+@pytest.mark.parametrize("flags, bf16", [("fpu avx2 fma", False), ("fpu avx512f avx512bw", False),
+                                         ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True),
+                                         ("fpu avx512_bf16_extra", False)])
+def test_auto_dtype_on_cpu_follows_the_cpu_flags(flags, bf16, monkeypatch):
+    from kvserve.model import loader
+    cpuinfo = f"processor\t: 0\nvendor_id\t: X\nflags\t\t: {flags}\nbogomips\t: 1\n"
+    assert loader.cpu_has_bf16(cpuinfo) is bf16
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: bf16)
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if bf16 else torch.float32)
+
+
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama_gqa", "llama3_rope", "mistral_swa", "qwen2_bias", "llama_tied"])
 def test_hf_config_dict_inverts_model_config_from_hf(tmp_path, kind):
     from kvserve.model.loader import hf_config_dict, load_hf_directory, model_config_from_hf

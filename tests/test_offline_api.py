@@ -6,16 +6,13 @@ import math
 
 import numpy as np
 import pytest
+from helpers import greedy
 from tiny_models import make_tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParamsError
 from kvserve.engine.outputs import Logprob, RequestError
-
-
-def greedy(n=8, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +39,7 @@ def test_vllm_arguments_refused_with_the_reason(path):
         LLM(str(path), kv_cache_memory=2**24, kv_cache_memory_bytes=2**24)
 
 
+@pytest.mark.slow
 def test_vllm_launch_arguments_map_or_are_accepted(path):
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=2**22, max_model_len=64, download_dir="/models",
               compilation_config={"level": 3}, optimization_level=3)
@@ -159,6 +157,7 @@ def test_user_mistakes_name_the_problem(llm):
     assert a.token_ids == llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_seed_none_and_default_sampling_params(path):
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, max_model_len=128, seed=None)
     assert isinstance(llm.engine.args.seed, int)
@@ -167,6 +166,7 @@ def test_seed_none_and_default_sampling_params(path):
     assert len(out.token_ids) <= 16  # vLLM's default max_tokens
 
 
+@pytest.mark.slow
 def test_generation_config_defaults_as_vllm(path, tmp_path):
     import shutil
     d = shutil.copytree(path, tmp_path / "m")
@@ -200,6 +200,7 @@ def test_generation_config_defaults_as_vllm(path, tmp_path):
         LLM(str(d), dtype="float32", kv_cache_memory=2**22, max_model_len=128)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_match_transformers(path):
     """vLLM's prompt_logprobs: None, then each prompt token's logprob given the tokens before it
     (with the top-k), as transformers computes it; over several prefill chunks, and the same on a
@@ -226,6 +227,7 @@ def test_prompt_logprobs_match_transformers(path):
     assert out.num_cached_tokens == 0  # scoring the prompt reads nothing from the cache
 
 
+@pytest.mark.slow
 def test_final_only_outputs_come_once_and_match_the_cumulative_ones(llm):
     """vLLM's RequestOutputKind: FINAL_ONLY requests yield one output, when they finish, equal to
     the last CUMULATIVE one, and DELTA outputs add up to it (with stop strings and n > 1 too);

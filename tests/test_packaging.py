@@ -6,17 +6,21 @@ missing from the wheel would make every non-editable install fall back to the pu
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from kvserve.ops import cpu_kernels as cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_every_kernel_source_and_header(tmp_path):
     # From a copy without egg-info or build output: setuptools also ships what a stale
     # SOURCES.txt lists, which hid a header missing from the package data.
@@ -34,3 +38,20 @@ def test_the_wheel_ships_every_kernel_source_and_header(tmp_path):
     package = ROOT / "src" / "kvserve"
     needed = {f"kvserve/{p.relative_to(package).as_posix()}" for p in (*cpu_kernel._SOURCES, *cpu_kernel._HEADERS)}
     assert needed <= names, sorted(needed - names)
+
+
+@pytest.mark.slow
+def test_a_compiler_that_fails_is_an_error_that_quotes_it(tmp_path):
+    """Where a compiler exists but the kernels do not build, the engine does not fall back to the
+    torch paths in silence: `kvserve generate` stops with the compiler's own message, in one line
+    of its error, and says how to run without the kernels."""
+    cc = tmp_path / "g++"
+    cc.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "broken-g++ 1.0"; exit 0; fi\n'
+                  'echo "broken-g++: internal compiler error: simulated" >&2; exit 1\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "CXX": str(cc), "KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-m", "kvserve", "generate", "hi", "--max-tokens", "1"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "internal compiler error: simulated" in out.stderr and "KVSERVE_CPU_KERNEL=0" in out.stderr
+    assert "Traceback" not in out.stderr

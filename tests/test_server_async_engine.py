@@ -4,6 +4,7 @@ in-flight requests while the loop keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -32,13 +33,36 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-async def idle(llm: AsyncLLM) -> None:
-    for _ in range(100):
+async def until(predicate, timeout: float, what: str):
+    """Await `predicate()` (a coroutine function) until it returns something truthy; bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last value {value!r})")
+        await asyncio.sleep(0.02)
+
+
+async def idle(llm: AsyncLLM, timeout: float = 30.0) -> None:
+    async def is_idle():
         s = await llm.get_stats()
-        if s.num_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"engine not idle: {s}")
+        return s.num_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0 and s
+    await until(is_idle, timeout, "an idle engine (no requests, no blocks in use)")
+
+
+def tokens_given(llm: AsyncLLM, request_id: str) -> int:
+    """Output tokens the engine has given `request_id` so far, from the step events."""
+    return max((p.num_tokens for e in list(llm.events) for p in e.progress if p.request_id == request_id), default=0)
+
+
+def hold_engine(llm: AsyncLLM) -> threading.Event:
+    """Park the engine thread between two steps until the returned event is set (bounded: 30 s)."""
+    held, release = threading.Event(), threading.Event()
+    llm.call(lambda: (held.set(), release.wait(30)))
+    assert held.wait(30), "the engine thread never ran the holding command"
+    return release
 
 
 def test_generate_streams_until_finished(llm):
@@ -51,32 +75,48 @@ def test_generate_streams_until_finished(llm):
     asyncio.run(main())
 
 
-def test_concurrent_requests_do_not_stall_the_event_loop(llm):
+def test_concurrent_requests_do_not_stall_the_event_loop(llm, monkeypatch):
+    """A step runs on the engine thread: while one computes, the event loop keeps running its other
+    tasks, and a coroutine waiting on the engine (get_stats) waits without blocking the loop.
+
+    A step in the middle of the generation is held until the event loop has ticked three times
+    with a get_stats call pending: that can only happen if the loop runs while the step does."""
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    in_step, loop_ran = threading.Event(), threading.Event()
+    released_by_loop: list[bool] = []
+    calls = [0]
+
+    def held_step(sched):
+        calls[0] += 1
+        if calls[0] == 3:  # a decode step, with tokens already streamed
+            in_step.set()
+            released_by_loop.append(loop_ran.wait(20))  # False: the loop never ran during the step
+        return real_execute(sched)
+
+    monkeypatch.setattr(runner, "execute", held_step)
+
     async def main():
-        gaps = []
-        stop = asyncio.Event()
-
-        async def ticker():
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
         async def one(i):
             return [o async for o in llm.generate(f"Request {i}: once upon a time", greedy(12), f"c{i}")][-1]
 
-        tick = asyncio.create_task(ticker())
-        t0 = time.monotonic()
-        finals = await asyncio.gather(*(one(i) for i in range(3)))
-        elapsed = time.monotonic() - t0
-        stop.set()
-        await tick
-        assert all(len(f.outputs[0].token_ids) == 12 for f in finals)
-        # The loop kept ticking while the engine thread computed: no gap near a whole generation.
-        assert max(gaps) < max(0.5, elapsed / 4), (max(gaps), elapsed)
-    asyncio.run(main())
+        finals = asyncio.gather(*(one(i) for i in range(3)))
+        assert await asyncio.to_thread(in_step.wait, 60), "no step was held"
+        stats = asyncio.ensure_future(llm.get_stats())  # queued behind the held step
+        ticks = 0
+        for _ in range(3):
+            await asyncio.sleep(0)
+            ticks += 1
+        assert not stats.done(), "get_stats answered while the engine was inside a step"
+        loop_ran.set()
+        finals = await asyncio.wait_for(finals, 120)
+        assert (await asyncio.wait_for(stats, 60)).num_blocks_total > 0
+        return ticks, finals
+
+    ticks, finals = asyncio.run(main())
+    assert released_by_loop == [True], "the event loop did not run while the engine thread was inside a step"
+    assert ticks == 3
+    assert all(len(f.outputs[0].token_ids) == 12 and f.outputs[0].finish_reason == "length" for f in finals)
 
 
 def test_leaving_early_aborts_and_frees_blocks(llm):
@@ -93,17 +133,46 @@ def test_leaving_early_aborts_and_frees_blocks(llm):
 
 
 def test_cancelled_task_aborts(llm):
+    """Cancelling the task that iterates a request aborts it in the engine: it leaves through the
+    abort path (a client abort, no finished output), one step at most after the cancel, long
+    before its 200 tokens, and its blocks are freed."""
+    rid = "cancel-me"
+
     async def main():
+        got_two = asyncio.Event()
+
         async def consume():
-            async for _ in llm.generate("A long story begins", greedy(200), "cancel-me"):
-                pass
+            n = 0
+            async for _ in llm.generate("A long story begins", greedy(200), rid):
+                n += 1
+                if n == 2:
+                    got_two.set()
+
         task = asyncio.create_task(consume())
-        await asyncio.sleep(1.0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await idle(llm)
-    asyncio.run(main())
+        await asyncio.wait_for(got_two.wait(), 60)
+        release = await asyncio.to_thread(hold_engine, llm)  # the cancel lands between two known steps
+        try:
+            reached = tokens_given(llm, rid)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            release.set()
+
+        async def gone_or_still_generating():  # the latter fails below at once, without waiting it out
+            return tokens_given(llm, rid) > reached + 1 or not await llm.acall(llm.engine.has_unfinished_requests)
+        await until(gone_or_still_generating, 60, "the cancelled request to leave the engine")
+        if tokens_given(llm, rid) <= reached + 1:
+            await idle(llm)  # its blocks are freed; a later command: the abort's step event is published
+        return reached
+
+    reached = asyncio.run(main())
+    final = tokens_given(llm, rid)
+    assert 2 <= reached < 200
+    # After the cancel the engine ran the step it was about to run, then the abort.
+    assert final <= reached + 1, f"the request kept generating after its cancel: {reached} -> {final} of 200 tokens"
+    assert rid in [r for e in llm.events for r in e.aborted], "the engine's abort path did not run for it"
+    assert not [o for e in llm.events for o in e.outputs if o.request_id == rid and o.finished]
 
 
 def test_add_request_errors_reach_the_caller(llm):

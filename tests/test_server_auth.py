@@ -41,7 +41,8 @@ def test_pool_reported_before_the_first_request(server):
 @pytest.mark.parametrize("method, path, body", [
     ("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
-    ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/reset_prefix_cache", None),
+    ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
+    ("POST", "/reset_prefix_cache", None),
 ])
 def test_api_key_required(server, method, path, body):
     for headers in ({}, auth("wrong"), {"Authorization": "key-alice"}, {"Authorization": "Basic key-alice"}):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-import time
 import uuid
 
 import httpx
@@ -146,14 +145,28 @@ def test_request_log_and_stats_log(tmp_path):
     srv = start_server(*SMALL, "--request-log", str(log), "--served-model-name", "smol",
                        env={"KVSERVE_LOG_STATS_INTERVAL": "0.5"})
     try:
-        for prompt in ("one two three", "four five"):
+        def complete(prompt: str) -> dict:
             r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 3, "model": "smol"},
                            timeout=60)
-            assert r.status_code == 200
-            time.sleep(0.6)
-        assert "Avg prompt throughput" in srv.log() and "KV cache usage" in srv.log()
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-        assert len(records) == 2
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        served = [complete("one two three"), complete("four five")]
+
+        # The stats line is written from an engine step at least 0.5 s after the last one: keep
+        # serving (one request per poll) until a step falls after the interval.
+        def stats_line_logged() -> bool:
+            served.append(complete("six"))
+            return "Avg prompt throughput" in srv.log()
+
+        wait_until(stats_line_logged, 60, interval=0.2, what="the periodic stats line")
+        assert "KV cache usage" in srv.log() and "Running: " in srv.log()
+        # one line per finished request, written by the engine thread as it finishes
+        lines = wait_until(lambda: len(lines := log.read_text().splitlines()) == len(served) and lines, 30,
+                           what=f"{len(served)} request-log lines")
+        records = [json.loads(line) for line in lines]
+        assert [r["prompt_tokens"] for r in records] == [s["usage"]["prompt_tokens"] for s in served]
+        assert [r["output_tokens"] for r in records] == [s["usage"]["completion_tokens"] for s in served]
         assert records[0]["prompt_tokens"] == len(records[0]["prompt_token_ids"]) == 3
         assert all(r["output_tokens"] <= 3 and r["e2e"] > 0 for r in records)
         assert 'model_name="smol"' in httpx.get(f"{srv.url}/metrics").text

@@ -30,11 +30,13 @@ def test_models_lists_served_name(client):
 
 
 def test_completion_stream_equals_non_stream(client):
-    kw = dict(model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0)
+    # ignore_eos: exactly max_tokens, whatever the model would say (an EOS cannot end it early)
+    kw = dict(model=MODEL, prompt="The three primary colors are", max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)
     choice = full.choices[0]
-    assert choice.text and choice.finish_reason in ("length", "stop")
-    assert full.usage.completion_tokens == (12 if choice.finish_reason == "length" else full.usage.completion_tokens)
+    assert choice.text and choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 12
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -97,11 +99,16 @@ def test_cors_as_vllm_by_default(server):
 
 
 def test_seeded_n2_matches_two_seeded_single_runs(client):
-    """Sequence i of a seeded n-request samples with seed + i (engine contract), so it is reproducible."""
-    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=6, temperature=1.0)
+    """Sequence i of a seeded n-request samples with seed + i (vLLM's contract, the engine's too):
+    n=2 with seed s gives the texts of n=1 with seed s and n=1 with seed s + 1."""
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=6, temperature=1.0,
+              extra_body={"ignore_eos": True})
     both = client.completions.create(**kw, n=2, seed=11)
-    again = client.completions.create(**kw, n=2, seed=11)
-    assert [c.text for c in both.choices] == [c.text for c in again.choices]
+    first = client.completions.create(**kw, n=1, seed=11)
+    second = client.completions.create(**kw, n=1, seed=12)
+    texts = [c.text for c in sorted(both.choices, key=lambda c: c.index)]
+    assert texts == [first.choices[0].text, second.choices[0].text]
+    assert texts[0] != texts[1]  # seeds 11 and 12 sample differently here: the comparison means something
 
 
 def test_completion_logprobs(client):
@@ -159,15 +166,25 @@ def test_token_id_prompts_and_batches(client, server):
 
 
 def test_stop_string_and_vllm_extras(client):
-    r = client.completions.create(model=MODEL, prompt="a b c d e f g h", max_tokens=20, temperature=0,
-                                  extra_body={"ignore_eos": True, "min_tokens": 3, "top_k": 1,
-                                              "repetition_penalty": 1.0, "priority": 0})
-    assert r.usage.completion_tokens == 20  # ignore_eos: runs to max_tokens
-    stop_on = r.choices[0].text.split()[1] if len(r.choices[0].text.split()) > 2 else None
-    if stop_on:
-        s = client.completions.create(model=MODEL, prompt="a b c d e f g h", max_tokens=20, temperature=0,
-                                      stop=[stop_on])
-        assert s.choices[0].finish_reason == "stop" and stop_on not in s.choices[0].text
+    kw = dict(model=MODEL, prompt="a b c d e f g h", max_tokens=20, temperature=0)
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True, "min_tokens": 3, "top_k": 1,
+                                                    "repetition_penalty": 1.0, "priority": 0})
+    assert r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length"  # ignore_eos: max_tokens
+    full = r.choices[0].text
+    # A stop string taken from the middle of the greedy text: the same greedy run stops at its first
+    # occurrence, which is left out of the text (include_stop_str_in_output keeps it).
+    middle = full[len(full) // 2:].split()
+    assert middle, full
+    stop = middle[0]
+    cut = full.index(stop)
+    assert cut > 0, (stop, full)
+    s = client.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True})
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].text == full[:cut], (stop, full)
+    assert s.choices[0].model_extra["stop_reason"] == stop  # vLLM's field: which stop string matched
+    assert s.usage.completion_tokens < 20
+    kept = client.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True,
+                                                                     "include_stop_str_in_output": True})
+    assert kept.choices[0].finish_reason == "stop" and kept.choices[0].text == full[:cut + len(stop)]
 
 
 def test_echo_sends_the_prompt_back_as_sent(client, server):

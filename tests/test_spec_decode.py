@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from hf_reference import hf_greedy, load_hf
+from hf_reference import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import make_tiny_model
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError, EngineArgs, SpeculativeConfig, parse_speculative_config
@@ -102,12 +101,6 @@ def test_only_plain_greedy_requests_speculate():
 
 
 # -- the engine -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("spec"), kind="llama_gqa")
-    return path, load_hf(path)
-
-
 def loop_prompts(vocab: int, seed: int, count: int) -> list[list[int]]:
     """Half repeat a short random phrase (guesses come true), half are random (they mostly fail)."""
     rng = random.Random(seed)
@@ -121,8 +114,8 @@ def loop_prompts(vocab: int, seed: int, count: int) -> list[list[int]]:
     return prompts
 
 
-def test_greedy_output_with_guesses_equals_transformers(tiny):
-    path, hf = tiny
+def test_greedy_output_with_guesses_equals_transformers(tiny, tiny_hf):
+    path, hf = tiny, tiny_hf
     llm = LLM(str(path), dtype="float32", check_integrity=True, kv_cache_memory=64 * 2**20,
               speculative_config=NGRAM)
     prompts = loop_prompts(llm.engine.model_config.vocab_size, 0, 12)
@@ -139,7 +132,7 @@ def test_greedy_output_with_guesses_equals_transformers(tiny):
 def test_guesses_change_nothing_but_the_step_count(tiny):
     """Stop tokens inside a kept run of guesses, max_tokens limits, sampled and logprobs requests
     in the same batch, and prefix-cache hits on blocks written by guessed steps: all as without."""
-    path, _ = tiny
+    path = tiny
     vocab = None
     results = {}
     for name, spec in (("plain", None), ("ngram", NGRAM)):

@@ -5,11 +5,10 @@ import logging
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
-from redis_server import RedisServer
+from helpers import wait_until
 
 from kvserve.cache.codec import BlockFormatError, pack_block, packed_size, unpack_block
 from kvserve.config import ConfigError
@@ -304,12 +303,6 @@ def test_disk_bad_path_is_a_config_error(tmp_path):
 
 # ---------------------------------------------------------------- redis tier
 
-@pytest.fixture
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
 def test_full_redis_refuses_puts_but_stays_readable(redis_server):
     """OOM under maxmemory/noeviction is Redis refusing a SET, not Redis down: reads go on, and
     no outage is declared (it used to flap "unavailable" / "reachable again" every second)."""
@@ -378,22 +371,21 @@ def test_redis_killed_mid_run_then_restarted(redis_server, caplog):
     assert tier.put(key(1), payload(1)) and tier.get(key(1)) is not None
     assert tier.usage().num_entries == 1
     redis_server.kill()
-    start = time.monotonic()
     for _ in range(20):  # the engine keeps calling at decode rate: misses, no exception, no stall
         assert tier.get(key(1)) is None
         assert tier.put(key(2), payload(2)) is False
         assert tier.contains(key(1)) is False
-    assert time.monotonic() - start < 2.0
     s = tier.stats()
-    assert s.errors >= 1 and s.misses == 20 and s.rejected == 20 and not tier.available
+    assert s.misses == 20 and s.rejected == 20 and not tier.available
+    # No stall: once down, the tier answers from its state and asks the backend again only after
+    # its backoff, so most of the 60 calls never reach the dead server.
+    assert 1 <= s.errors < 20
     assert tier.usage().num_entries == 1  # last known figures
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
 
     redis_server.start()  # same port; the data is gone (no persistence), the service is back
-    deadline = time.monotonic() + 5
-    while not tier.put(key(3), payload(3)) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: tier.put(key(3), payload(3)), 5, what="a put to succeed once Redis is back")
     assert bytes(tier.get(key(3))) == payload(3) and tier.available
     assert any("reachable again" in r.getMessage() for r in caplog.records)
     tier.close()
@@ -404,15 +396,15 @@ def test_redis_hung_server_times_out_then_recovers(redis_server):
     tier.put(key(1), payload(1))
     os.kill(redis_server.proc.pid, signal.SIGSTOP)  # a Redis that accepts nothing and answers nothing
     try:
-        start = time.monotonic()
-        assert tier.get(key(1)) is None
-        assert time.monotonic() - start < 1.0
-        assert tier.stats().errors == 1
+        got = []
+        lookup = threading.Thread(target=lambda: got.append(tier.get(key(1))), daemon=True)
+        lookup.start()
+        lookup.join(30)  # bounded: a lookup that waits on the hung server never returns
+        assert not lookup.is_alive(), "a hung Redis stalled the lookup instead of timing out"
+        assert got == [None] and tier.stats().errors == 1
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 5
-    while tier.get(key(1)) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: tier.get(key(1)) is not None, 5, what="Redis back after SIGCONT")
     assert bytes(tier.get(key(1))) == payload(1)
     tier.close()
 
@@ -420,7 +412,7 @@ def test_redis_hung_server_times_out_then_recovers(redis_server):
 def test_redis_down_at_start_and_bad_url():
     with pytest.raises(ConfigError, match="--kv-redis-url"):
         RedisTier(FP, "http://localhost:6379")
-    from redis_server import free_port
+    from helpers import free_port
     tier = RedisTier(FP, f"redis://127.0.0.1:{free_port()}/0", backoff_initial=10)
     assert not tier.available and tier.get(key(1)) is None and tier.stats().errors == 1
     tier.close()
@@ -447,12 +439,13 @@ def test_writer_drops_when_full_instead_of_blocking():
     writer = AsyncWriter([host], max_queue_bytes=2500)
     with host._lock:  # a stalled backend: the writer thread blocks inside its first put
         writer.submit(key(0), payload(0))
-        deadline = time.monotonic() + 5
-        while writer.stats().queued and time.monotonic() < deadline:
-            time.sleep(0.001)
-        start = time.monotonic()
-        accepted = [writer.submit(key(i), payload(i)) for i in range(1, 6)]
-        assert time.monotonic() - start < 0.5
+        wait_until(lambda: not writer.stats().queued, 5, interval=0.001, what="the writer to take its first entry")
+        accepted = []
+        submitter = threading.Thread(target=lambda: accepted.extend(writer.submit(key(i), payload(i))
+                                                                    for i in range(1, 6)), daemon=True)
+        submitter.start()
+        submitter.join(30)  # bounded: a submit that waited for the stalled backend would never return
+        assert not submitter.is_alive(), "submit blocked on a full queue instead of dropping"
         assert accepted == [True, True, False, False, False]
         assert bytes(writer.pending(key(0))) == payload(0) and bytes(writer.pending(key(2))) == payload(2)
         assert writer.pending(key(5)) is None
@@ -476,7 +469,7 @@ def test_entry_that_does_not_decode_is_a_miss_and_deleted(tmp_path, caplog):
             raise ValueError("block layout differs")
         chain.decode = decode
         with caplog.at_level("WARNING"):
-            assert chain.fetch([key(0), key(1), key(2)]) == []
+            assert chain.fetch([key(0), key(1), key(2)], [[0], [1], [2]]) == []
         assert chain.stats.decode_failures == 3 and not any(disk.contains(key(i)) for i in range(3))
         assert sum("does not fit this engine's KV layout" in r.message for r in caplog.records) == 1
 

@@ -10,33 +10,15 @@ import os
 import random
 
 import pytest
+from helpers import closed_port, greedy
 from hf_reference import hf_greedy, load_hf
+from kv_cases import BS, POOL, SMALL, documents_workload
 from redis_server import RedisServer
 from tiny_models import make_tiny_model
 
 from kvserve import LLM, SamplingParams
 
 GEN = 6
-BS = 16
-POOL = 40  # blocks: 640 tokens on the device
-SMALL = dict(dtype="float32", block_size=BS, num_gpu_blocks_override=POOL, max_model_len=POOL * BS,
-             max_num_batched_tokens=256, check_integrity=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny"), kind="llama_gqa")
-    return str(path), load_hf(path)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
-def greedy(n=GEN):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 class Reference:
@@ -53,17 +35,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def ref(tiny):
-    return Reference(tiny[1])
-
-
-def documents_workload(seed, num_docs=4, doc_len=330, questions=3, vocab=256):
-    """Several long documents, each asked several questions, interleaved so that a document's
-    blocks are evicted from the device pool before it is asked again (4 x 21 blocks >> pool)."""
-    rng = random.Random(seed)
-    docs = [[rng.randrange(vocab) for _ in range(doc_len)] for _ in range(num_docs)]
-    return [[d + [rng.randrange(vocab) for _ in range(rng.randint(3, 20))] for d in docs]
-            for _ in range(questions)]
+def ref(tiny_hf):
+    return Reference(tiny_hf)
 
 
 def run_chats(llm, ref, seed, num_chats=3, turns=3, vocab=256):
@@ -71,7 +44,7 @@ def run_chats(llm, ref, seed, num_chats=3, turns=3, vocab=256):
     rng = random.Random(seed)
     histories = [[rng.randrange(vocab) for _ in range(150)] for _ in range(num_chats)]
     for _ in range(turns):
-        outs = llm.generate(histories, greedy(), use_tqdm=False)
+        outs = llm.generate(histories, greedy(GEN), use_tqdm=False)
         for h, o in zip(histories, outs):
             assert o.outputs[0].token_ids == ref(h), f"chat of {len(h)} tokens diverged"
         histories = [h + o.outputs[0].token_ids + [rng.randrange(vocab) for _ in range(25)]
@@ -81,7 +54,7 @@ def run_chats(llm, ref, seed, num_chats=3, turns=3, vocab=256):
 def run_documents(llm, ref, seed):
     for batch in documents_workload(seed):
         for prompt in batch:  # one at a time: the working set passes through the small pool
-            out = llm.generate([prompt], greedy(), use_tqdm=False)[0]
+            out = llm.generate([prompt], greedy(GEN), use_tqdm=False)[0]
             assert out.outputs[0].token_ids == ref(prompt), f"prompt of {len(prompt)} tokens diverged"
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.pool.num_used_blocks == 0
@@ -95,9 +68,10 @@ def tier_configs(tmp_path, redis_url):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", ["host", "disk", "redis"])
 def test_working_set_4x_pool_matches_reference(tiny, ref, tmp_path, redis_server, tier):
-    path, _ = tiny
+    path = tiny
     redis_server_flush(redis_server)
     llm = LLM(path, **SMALL, **tier_configs(tmp_path, redis_server.url)[tier])
     try:
@@ -116,7 +90,7 @@ def test_working_set_4x_pool_matches_reference(tiny, ref, tmp_path, redis_server
 def test_no_tier_engine_agrees_and_misses_what_tiers_hit(tiny, ref, tmp_path):
     """The same workload without tiers: same tokens, but prefixes evicted from the pool are
     recomputed (fewer cached tokens than with a host tier)."""
-    path, _ = tiny
+    path = tiny
     plain = LLM(path, **SMALL)
     run_documents(plain, ref, seed=1)
     tiered = LLM(path, **SMALL, swap_space=0.01)
@@ -128,7 +102,7 @@ def test_no_tier_engine_agrees_and_misses_what_tiers_hit(tiny, ref, tmp_path):
 
 def test_all_tiers_together_and_host_overflow_to_disk(tiny, ref, tmp_path, redis_server):
     """A host tier far smaller than the working set: what it evicts is still found on disk."""
-    path, _ = tiny
+    path = tiny
     redis_server_flush(redis_server)
     llm = LLM(path, **SMALL, swap_space=0.0002, kv_disk_path=str(tmp_path / "d"),
               kv_redis_url=redis_server.url)
@@ -136,7 +110,7 @@ def test_all_tiers_together_and_host_overflow_to_disk(tiny, ref, tmp_path, redis
         docs = documents_workload(seed=3)
         for batch in (docs[0], docs[1][::-1]):  # back in reverse: recent evictions are in host
             for prompt in batch:
-                assert llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids == ref(prompt)
+                assert llm.generate([prompt], greedy(GEN), use_tqdm=False)[0].outputs[0].token_ids == ref(prompt)
         s = llm.engine.get_stats()
         assert s.tier_hits["host"] > 0 and s.tier_hits["disk"] > 0, s.tier_hits
         assert 0 < s.host_tier_usage <= 1.0
@@ -145,20 +119,20 @@ def test_all_tiers_together_and_host_overflow_to_disk(tiny, ref, tmp_path, redis
 
 
 def test_disk_tier_persists_across_restart(tiny, ref, tmp_path):
-    path, _ = tiny
+    path = tiny
     disk = dict(kv_disk_path=str(tmp_path / "kv"), kv_disk_size="64MiB")
     prompts = documents_workload(seed=4)[0]
     first = LLM(path, **SMALL, **disk)
-    outs = first.generate(prompts, greedy(), use_tqdm=False)
+    outs = first.generate(prompts, greedy(GEN), use_tqdm=False)
     # Force everything out of the device pool so the blocks are written to disk.
     filler = documents_workload(seed=5)[0]
-    first.generate(filler, greedy(), use_tqdm=False)
+    first.generate(filler, greedy(GEN), use_tqdm=False)
     first.engine.close()
     assert any(n.endswith(".kvb") for n in os.listdir(tmp_path / "kv"))
 
     second = LLM(path, **SMALL, **disk)  # a "restarted server": empty device pool, same directory
     try:
-        again = second.generate(prompts, greedy(), use_tqdm=False)
+        again = second.generate(prompts, greedy(GEN), use_tqdm=False)
         for p, a, b in zip(prompts, outs, again):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids == ref(p)
         assert all(o.num_cached_tokens >= 320 for o in again), [o.num_cached_tokens for o in again]
@@ -170,17 +144,17 @@ def test_disk_tier_persists_across_restart(tiny, ref, tmp_path):
 def test_blocks_still_on_device_are_written_down_at_shutdown(tiny, ref, tmp_path):
     """No eviction before close(): the prompts' blocks are all still in the device pool, and
     close() (the server's shutdown) hands them to disk, so the restarted engine hits them."""
-    path, _ = tiny
+    path = tiny
     disk = dict(kv_disk_path=str(tmp_path / "kv"), kv_disk_size="64MiB")
     prompts = documents_workload(seed=4)[0][:1]
     first = LLM(path, **SMALL, **disk)
-    outs = first.generate(prompts, greedy(), use_tqdm=False)
+    outs = first.generate(prompts, greedy(GEN), use_tqdm=False)
     assert first.engine.get_stats().kv_offloaded_blocks == 0  # nothing was evicted
     first.engine.close()
     first.engine.close()  # idempotent
     second = LLM(path, **SMALL, **disk)
     try:
-        again = second.generate(prompts, greedy(), use_tqdm=False)
+        again = second.generate(prompts, greedy(GEN), use_tqdm=False)
         for p, a, b in zip(prompts, outs, again):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids == ref(p)
         assert second.engine.get_stats().tier_hits["disk"] >= 320
@@ -191,11 +165,12 @@ def test_blocks_still_on_device_are_written_down_at_shutdown(tiny, ref, tmp_path
 def test_shutdown_says_what_an_unreachable_tier_did_not_store(tiny, caplog):
     """Redis down for the whole run: the write-back at shutdown must not report blocks as written."""
     import logging
-    path, _ = tiny
-    llm = LLM(path, **SMALL, kv_redis_url="redis://127.0.0.1:1")  # nothing listens there
-    llm.generate(documents_workload(seed=4)[0][:1], greedy(), use_tqdm=False)
-    with caplog.at_level(logging.INFO, logger="kvserve.engine.engine"):
-        llm.engine.close()
+    path = tiny
+    with closed_port() as port:  # nothing listens there for the whole run
+        llm = LLM(path, **SMALL, kv_redis_url=f"redis://127.0.0.1:{port}")
+        llm.generate(documents_workload(seed=4)[0][:1], greedy(GEN), use_tqdm=False)
+        with caplog.at_level(logging.INFO, logger="kvserve.engine.engine"):
+            llm.engine.close()
     said = [r.getMessage() for r in caplog.records if "shutdown:" in r.getMessage()]
     assert len(said) == 1 and "the redis tier refused" in said[0] and "recompute" in said[0], said
     assert caplog.records[-1].levelname == "WARNING"
@@ -204,15 +179,15 @@ def test_shutdown_says_what_an_unreachable_tier_did_not_store(tiny, caplog):
 def test_blocks_read_from_disk_are_not_written_again(tiny, ref, tmp_path):
     """A restarted engine that restored a prompt's blocks from disk knows disk has them: its
     shutdown writes only the blocks computed since (the generated tokens' ones), not those."""
-    path, _ = tiny
+    path = tiny
     disk = dict(kv_disk_path=str(tmp_path / "kv"), kv_disk_size="64MiB")
     prompts = documents_workload(seed=4)[0][:1]
     first = LLM(path, **SMALL, **disk)
-    first.generate(prompts, greedy(), use_tqdm=False)
+    first.generate(prompts, greedy(GEN), use_tqdm=False)
     first.engine.close()
     written_first = first.engine.kv_tiers.lower[0].stats().puts
     second = LLM(path, **SMALL, **disk)
-    second.generate(prompts, greedy(), use_tqdm=False)
+    second.generate(prompts, greedy(GEN), use_tqdm=False)
     restored = second.engine.get_stats().tier_hits["disk"] // BS  # tokens -> blocks
     assert restored >= 20
     second.engine.close()
@@ -220,11 +195,12 @@ def test_blocks_read_from_disk_are_not_written_again(tiny, ref, tmp_path):
     assert written_second <= written_first - restored  # without the change: written_second == written_first
 
 
+@pytest.mark.slow
 def test_an_engine_never_closed_writes_its_blocks_at_exit(tiny, ref, tmp_path):
     """An offline script that never calls close(): its cached blocks reach disk at interpreter exit."""
     import subprocess
     import sys
-    path, _ = tiny
+    path = tiny
     disk = dict(kv_disk_path=str(tmp_path / "kv"), kv_disk_size="64MiB")
     prompt = documents_workload(seed=4)[0][0]
     script = (f"from kvserve import LLM, SamplingParams\n"
@@ -233,7 +209,7 @@ def test_an_engine_never_closed_writes_its_blocks_at_exit(tiny, ref, tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
     second = LLM(path, **SMALL, **disk)
     try:
-        out = second.generate([prompt], greedy(), use_tqdm=False)[0]
+        out = second.generate([prompt], greedy(GEN), use_tqdm=False)[0]
         assert out.outputs[0].token_ids == ref(prompt)
         assert second.engine.get_stats().tier_hits["disk"] >= 320
     finally:
@@ -241,16 +217,16 @@ def test_an_engine_never_closed_writes_its_blocks_at_exit(tiny, ref, tmp_path):
 
 
 def test_redis_shared_between_two_engines(tiny, ref, redis_server):
-    path, _ = tiny
+    path = tiny
     redis_server_flush(redis_server)
     prompts = documents_workload(seed=6)[0]
     a = LLM(path, **SMALL, kv_redis_url=redis_server.url)
     b = LLM(path, **SMALL, kv_redis_url=redis_server.url)
     try:
-        a.generate(prompts, greedy(), use_tqdm=False)
-        a.generate(documents_workload(seed=7)[0], greedy(), use_tqdm=False)  # evict -> written down
+        a.generate(prompts, greedy(GEN), use_tqdm=False)
+        a.generate(documents_workload(seed=7)[0], greedy(GEN), use_tqdm=False)  # evict -> written down
         a.engine.kv_tiers.flush(10)
-        outs = b.generate(prompts, greedy(), use_tqdm=False)
+        outs = b.generate(prompts, greedy(GEN), use_tqdm=False)
         for p, o in zip(prompts, outs):
             assert o.outputs[0].token_ids == ref(p)
         s = b.engine.get_stats()
@@ -263,19 +239,19 @@ def test_redis_shared_between_two_engines(tiny, ref, redis_server):
 def test_blocks_lost_below_are_written_again(tiny, ref, redis_server):
     """A block the engine had written to Redis, then lost there (FLUSHALL, eviction), used to be
     skipped on every later eviction as "already stored": its prefix stayed a miss for good."""
-    path, _ = tiny
+    path = tiny
     redis_server_flush(redis_server)
     prompts, filler = documents_workload(seed=12)[0], documents_workload(seed=13)[0]
     a = LLM(path, **SMALL, kv_redis_url=redis_server.url)
     b = LLM(path, **SMALL, kv_redis_url=redis_server.url)
     try:
         for _ in range(2):  # the second round runs after Redis lost everything
-            a.generate(prompts, greedy(), use_tqdm=False)
-            a.generate(filler, greedy(), use_tqdm=False)  # evict -> written down
+            a.generate(prompts, greedy(GEN), use_tqdm=False)
+            a.generate(filler, greedy(GEN), use_tqdm=False)  # evict -> written down
             a.engine.kv_tiers.flush(10)
             if _ == 0:
                 redis_server_flush(redis_server)
-        outs = b.generate(prompts, greedy(), use_tqdm=False)
+        outs = b.generate(prompts, greedy(GEN), use_tqdm=False)
         for p, o in zip(prompts, outs):
             assert o.outputs[0].token_ids == ref(p)
         assert b.engine.get_stats().tier_hits["redis"] >= 4 * 320
@@ -284,17 +260,18 @@ def test_blocks_lost_below_are_written_again(tiny, ref, redis_server):
         b.engine.close()
 
 
+@pytest.mark.slow
 def test_redis_killed_mid_run_then_back(tiny, ref):
-    path, _ = tiny
+    path = tiny
     server = RedisServer().start()
     llm = LLM(path, **SMALL, kv_redis_url=server.url)
     try:
         batches = documents_workload(seed=8)
         for prompt in batches[0]:
-            assert llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids == ref(prompt)
+            assert llm.generate([prompt], greedy(GEN), use_tqdm=False)[0].outputs[0].token_ids == ref(prompt)
         server.kill()
         for prompt in batches[1]:  # Redis gone: served by recompute, no crash, no wrong token
-            assert llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids == ref(prompt)
+            assert llm.generate([prompt], greedy(GEN), use_tqdm=False)[0].outputs[0].token_ids == ref(prompt)
         llm.engine.kv_tiers.flush(10)
         s = llm.engine.get_stats()
         assert s.tier_errors["redis"] > 0
@@ -311,16 +288,15 @@ def test_redis_killed_mid_run_then_back(tiny, ref):
 
 
 def test_corrupt_and_incompatible_disk_entries_are_counted_misses(tiny, ref, tmp_path):
-    path, _ = tiny
+    path = tiny
     disk_dir = tmp_path / "kv"
     disk = dict(kv_disk_path=str(disk_dir), kv_disk_size="64MiB")
     prompts = documents_workload(seed=10)[0]
     first = LLM(path, **SMALL, **disk)
-    first.generate(prompts, greedy(), use_tqdm=False)
-    first.generate(documents_workload(seed=11)[0], greedy(), use_tqdm=False)
+    first.generate(prompts, greedy(GEN), use_tqdm=False)
+    first.generate(documents_workload(seed=11)[0], greedy(GEN), use_tqdm=False)
     fingerprint = first.engine.setup.fingerprint.hex
     first.engine.close()
-    files = sorted(n for n in os.listdir(disk_dir) if n.endswith(".kvb"))
     # The first block of prompt 0 (root of its chain) corrupted in its payload, and prompt 1's
     # first block replaced by an entry another engine (another fingerprint) wrote.
     from kvserve.kv.hashing import extend_block_hashes, root_hash
@@ -337,7 +313,7 @@ def test_corrupt_and_incompatible_disk_entries_are_counted_misses(tiny, ref, tmp
 
     second = LLM(path, **SMALL, **disk)
     try:
-        outs = second.generate(prompts, greedy(), use_tqdm=False)
+        outs = second.generate(prompts, greedy(GEN), use_tqdm=False)
         for p, o in zip(prompts, outs):
             assert o.outputs[0].token_ids == ref(p)
         s = second.engine.get_stats()
@@ -353,21 +329,21 @@ def test_corrupt_and_incompatible_disk_entries_are_counted_misses(tiny, ref, tmp
 
 def test_incompatible_engine_never_restores(tiny, tmp_path, redis_server):
     """Another model (other weights) on the same Redis and directory: no hits, its own outputs."""
-    path, _ = tiny
+    path = tiny
     redis_server_flush(redis_server)
     other_path = make_tiny_model(tmp_path / "other", kind="llama_gqa", seed=1)
     other_hf = load_hf(other_path)
     tiers = dict(kv_redis_url=redis_server.url)
     prompts = documents_workload(seed=12)[0]
     a = LLM(path, **SMALL, **tiers)
-    a.generate(prompts, greedy(), use_tqdm=False)
-    a.generate(documents_workload(seed=13)[0], greedy(), use_tqdm=False)
+    a.generate(prompts, greedy(GEN), use_tqdm=False)
+    a.generate(documents_workload(seed=13)[0], greedy(GEN), use_tqdm=False)
     a.engine.kv_tiers.flush(10)
     a.engine.close()
     b = LLM(str(other_path), **SMALL, **tiers)
     try:
         assert b.engine.setup.fingerprint.hex != a.engine.setup.fingerprint.hex
-        outs = b.generate(prompts, greedy(), use_tqdm=False)
+        outs = b.generate(prompts, greedy(GEN), use_tqdm=False)
         for p, o in zip(prompts, outs):
             assert o.outputs[0].token_ids == hf_greedy(other_hf, p, GEN)
         assert b.engine.get_stats().tier_hits["redis"] == 0
@@ -378,7 +354,7 @@ def test_incompatible_engine_never_restores(tiny, tmp_path, redis_server):
 def _swap_run(tiny, ref, seed: int, swap_space: float) -> LLM:
     """Six requests in a 14-block pool with swap preemption; greedy output checked against
     transformers. Returns the engine for the caller's assertions on how it got there."""
-    path, _ = tiny
+    path = tiny
     llm = LLM(path, dtype="float32", check_integrity=True, block_size=8, num_gpu_blocks_override=14,
               max_model_len=96, max_num_batched_tokens=64, preemption_mode="swap", swap_space=swap_space)
     rng = random.Random(seed)
@@ -404,9 +380,10 @@ def test_swap_falls_back_to_recompute_when_host_is_full(tiny, ref):
     assert s.num_preemptions > 0 and s.num_swap_fallbacks > 0
 
 
+@pytest.mark.slow
 def test_tier_flag_errors_name_the_flag(tiny, tmp_path):
     from kvserve.config import ConfigError
-    path, _ = tiny
+    path = tiny
     with pytest.raises(ConfigError, match="--kv-disk-size"):
         LLM(path, dtype="float32", kv_disk_path=str(tmp_path / "x"), kv_disk_size="lots")
     with pytest.raises(ConfigError, match="--preemption-mode swap.*--swap-space"):
@@ -430,16 +407,12 @@ def redis_server_flush(server):
     redis.Redis.from_url(server.url).flushall()
 
 
+@pytest.mark.needs("avx512_bf16")
 def test_bf16_kernel_layout_blocks_come_back_bit_exact(tmp_path):
     """bf16 on an AVX512-BF16 CPU keeps the cache in the varlen kernel's "pairs" layout. A
     prompt's blocks evicted to the host tier and restored give exactly the first run's tokens and
     logprobs: prefill runs in block-sized chunks, so the second run recomputes exactly the chunk
     the first run computed last, over K/V that must have come back bit for bit."""
-    import torch
-
-    from kvserve.ops.cpu_kernels import varlen_kernel_for
-    if varlen_kernel_for(torch.bfloat16, 64, torch.device("cpu")) is None:
-        pytest.skip("no AVX512-BF16 kernel here: bf16 keeps the token-major layout")
     path = make_tiny_model(tmp_path, kind="llama_d64")
     llm = LLM(str(path), dtype="bfloat16", block_size=BS, num_gpu_blocks_override=12, max_model_len=192,
               max_num_batched_tokens=BS, swap_space=0.01, check_integrity=True)
@@ -450,7 +423,7 @@ def test_bf16_kernel_layout_blocks_come_back_bit_exact(tmp_path):
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
         first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         for _ in range(3):  # 10-block prompts push the first one's blocks out of the 12-block pool
-            llm.generate([[rng.randrange(256) for _ in range(150)]], greedy(), use_tqdm=False)
+            llm.generate([[rng.randrange(256) for _ in range(150)]], greedy(GEN), use_tqdm=False)
         hits = llm.engine.get_stats().tier_hits["host"]
         again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         assert llm.engine.get_stats().tier_hits["host"] >= hits + 2  # both whole blocks came back

@@ -17,9 +17,7 @@ import re
 import unicodedata
 
 import pytest
-
-transformers = pytest.importorskip("transformers")
-
+import transformers
 from tiny_models import smollm2_gguf_path, smollm2_tokenizer  # noqa: E402
 
 from kvserve.model.tokenizer import Tokenizer, TokenizerError  # noqa: E402
@@ -77,6 +75,7 @@ def reference_ids(hf, text: str) -> list[int]:
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_reference(ours, hf, text):
     got = ours.encode(text, add_special_tokens=False)

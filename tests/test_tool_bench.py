@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import pytest
-from server_util import SMALL, shared_server
+from helpers import closed_port
+from server_util import SMALL, shared_server, wait_until
 
 from kvserve.cli import main
 from kvserve.config import ConfigError
@@ -34,6 +34,7 @@ def bench(*args: str) -> int:
     return main(["bench", "serve", "--no-progress", *args])
 
 
+@pytest.mark.slow
 def test_closed_loop_multi_turn_matches_server_counters(server, tmp_path, capsys):
     before = counters(server)
     out = tmp_path / "bench.json"
@@ -75,34 +76,50 @@ def test_closed_loop_multi_turn_matches_server_counters(server, tmp_path, capsys
     assert doc["ttft_ms"]["p50"] <= doc["ttft_ms"]["p99"] <= doc["ttft_ms"]["max"]
 
 
+@pytest.mark.slow
 def test_open_loop_duration_stops_by_itself(server, tmp_path, capsys):
+    before = counters(server)
     out = tmp_path / "bench.json"
-    start = time.monotonic()
     rc = bench("--url", server.url, "--request-rate", "4", "--duration", "2", "--prompt-len", "32",
                "--output-len", "4", "--json", str(out))
-    elapsed = time.monotonic() - start
     doc = json.loads(out.read_text())
     assert rc == 0 and doc["errors"] == 0 and doc["completed"] >= 2
     assert "open loop, Poisson 4" in doc["load"]
-    # Nothing starts after 2 s; what started finishes (4 tokens each) well within the default bound.
+    # It stopped by itself: nothing starts after 2 s, what started finished (4 tokens each, as the
+    # server counted them), and the hard timeout (default --duration + 60 s) never cut it.
     assert max(r["start"] for r in doc["requests"]) < 2.0
-    assert elapsed < 60
+    assert all(r["error"] is None and r["output_tokens"] == 4 for r in doc["requests"])
+    assert not any("hard timeout" in n for n in doc["notes"])
+    after = counters(server)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 4 * doc["completed"]
 
 
+def _finished(server, reason: str) -> float:
+    return server.metric("vllm:request_success_total", finished_reason=reason)
+
+
+@pytest.mark.slow
 def test_hard_timeout_cancels_and_reports(server, tmp_path, capsys):
+    aborted, lengths = _finished(server, "abort"), _finished(server, "length")
     out = tmp_path / "bench.json"
-    start = time.monotonic()
     rc = bench("--url", server.url, "--concurrency", "2", "--num-requests", "50", "--prompt-len", "16",
                "--output-len", "600", "--hard-timeout", "3", "--json", str(out))
-    elapsed = time.monotonic() - start
-    assert elapsed < 20
     doc = json.loads(out.read_text())
     assert any("hard timeout" in n for n in doc["notes"])
     assert doc["completed"] < 50
     assert rc in (0, 1)  # 1 when not one request finished before the cut
     assert "hard timeout" in capsys.readouterr().out
+    # The cut cancelled the requests in flight, and the server aborted them: it goes idle with one
+    # abort per request the bench had in flight (its 2 lanes), not 50 requests' worth of tokens.
+    wait_until(lambda: server.metric("vllm:num_requests_running") == 0 and server.metric("vllm:num_requests_waiting")
+               == 0, 60, interval=0.1, what="the server idle after the hard timeout")
+    cut = _finished(server, "abort") - aborted
+    assert 1 <= cut <= 2
+    assert doc["completed"] <= _finished(server, "length") - lengths <= doc["completed"] + 2 - cut
+    assert all(r["output_tokens"] == 600 for r in doc["requests"] if r["error"] is None)
 
 
+@pytest.mark.slow
 def test_server_errors_are_counted_with_their_message(server, capsys):
     rc = bench("--url", server.url, "--model", "no-such-model", "--concurrency", "2", "--num-requests", "3",
                "--prompt-len", "8", "--output-len", "2")
@@ -112,19 +129,24 @@ def test_server_errors_are_counted_with_their_message(server, capsys):
 
 
 def test_user_errors_name_the_flag(capsys):
-    assert bench("--url", "http://127.0.0.1:9", "--num-requests", "1") == 2
-    assert "cannot reach the server" in capsys.readouterr().err
-    assert bench("--url", "127.0.0.1:8000") == 2
+    with closed_port() as port:
+        assert bench("--url", f"http://127.0.0.1:{port}", "--num-requests", "1") == 2
+        assert "cannot reach the server" in capsys.readouterr().err
+    with closed_port() as port:
+        assert bench("--url", f"127.0.0.1:{port}") == 2  # no scheme
     assert "--url" in capsys.readouterr().err
     assert bench("--url", "http://x", "--concurrency", "2", "--request-rate", "1") == 2
     assert "not both" in capsys.readouterr().err
     assert bench("--url", "http://x", "--output-len", "normal:5") == 2
     assert "--output-len" in capsys.readouterr().err
     # An unwritable --json fails before the run, not after it (the results were lost).
-    assert bench("--url", "http://127.0.0.1:9", "--num-requests", "1", "--json", "/nonexistent-dir/r.json") == 2
+    with closed_port() as port:
+        assert bench("--url", f"http://127.0.0.1:{port}", "--num-requests", "1", "--json",
+                     "/nonexistent-dir/r.json") == 2
     assert "/nonexistent-dir does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_vllm_bench_serve_flags_run_the_same_bench(server, tmp_path, capsys):
     """A `vllm bench serve` command line, its program name changed, runs here."""
     rc = bench("--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions",
@@ -160,6 +182,7 @@ def test_vllm_bench_serve_flags_map_onto_this_tools():
             cfg(*argv)
 
 
+@pytest.mark.slow
 def test_plot_writes_png_or_says_matplotlib_is_missing(server, tmp_path, capsys, monkeypatch):
     png = tmp_path / "bench.png"
     args = ["--url", server.url, "--concurrency", "2", "--num-requests", "2", "--prompt-len", "16",
@@ -190,8 +213,8 @@ def test_client_lanes_one_client_per_request_in_flight():
 
     from kvserve.tools.bench_serve import ClientLanes
 
-    async def run():
-        lanes = ClientLanes(base_url="http://127.0.0.1:9")
+    async def run(port):
+        lanes = ClientLanes(base_url=f"http://127.0.0.1:{port}")  # never connected: lanes are made, not used
         async with lanes.lane() as a, lanes.lane() as b:
             assert a is not b
         async with lanes.lane() as c:
@@ -199,5 +222,6 @@ def test_client_lanes_one_client_per_request_in_flight():
         await lanes.aclose()
         return a, b
 
-    a, b = asyncio.run(run())
+    with closed_port() as port:
+        a, b = asyncio.run(run(port))
     assert a.is_closed and b.is_closed

@@ -169,6 +169,7 @@ def test_published_parameter_counts():
     assert count_parameters(PRESETS["Qwen2.5-7B"][0]).total == 7_615_616_512
 
 
+@pytest.mark.slow
 def test_gguf_metadata_matches_the_preset():
     spec = resolve_model(_embedded_gguf())
     c = spec.config
@@ -256,6 +257,7 @@ def test_cli_user_errors_name_the_flag(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_quantization_shrinks_weights(capsys):
     sizes = {}
     for q in ("none", "fp8", "int4"):

@@ -6,13 +6,15 @@ known values and the window's rates and verdicts are known exactly.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
+from helpers import closed_port
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvserve import cli
 from kvserve.tools import stats as stats_tool
 from kvserve.tools.stats import counter_increase, metrics_url
 
@@ -43,7 +45,7 @@ class ScriptedMetricsServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     def close(self):
@@ -188,10 +190,8 @@ def test_metrics_url_forms():
 
 
 def test_unreachable_server_names_the_url(capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    rc, out = _run(capsys, "--url", f"http://127.0.0.1:{port}", "--samples", "2", "--interval", "0")
+    with closed_port() as port:
+        rc, out = _run(capsys, "--url", f"http://127.0.0.1:{port}", "--samples", "2", "--interval", "0")
     assert rc == 2 and f"cannot reach http://127.0.0.1:{port}/metrics" in out
 
 
@@ -207,12 +207,12 @@ def test_wrong_path_and_non_prometheus_body(capsys, busy_server):
 
 
 def test_bad_arguments(capsys):
-    rc, out = _run(capsys, "--url", "http://127.0.0.1:1", "--samples", "0")
+    with closed_port() as port:
+        rc, out = _run(capsys, "--url", f"http://127.0.0.1:{port}", "--samples", "0")
     assert rc == 2 and "--samples >= 1" in out
 
 
 def test_through_the_kvserve_cli(capsys, busy_server):
-    cli = pytest.importorskip("kvserve.cli")
     rc = cli.main(["stats", "--url", busy_server.url, "--samples", "2", "--interval", "0", "--json"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["samples"] == 2
 
@@ -221,7 +221,6 @@ def test_through_the_kvserve_cli(capsys, busy_server):
 def test_against_the_real_kvserve_server(request, tmp_path):
     """stats samples a live `kvserve serve` under a shared-system-prompt load; analyze reads the
     --request-log it wrote and agrees with the usage the API returned."""
-    httpx = pytest.importorskip("httpx")
     from server_util import SMALL, shared_server, wait_until
 
     from kvserve.tools.analyze import read_request_log, simulate_prefix_cache
@@ -231,9 +230,13 @@ def test_against_the_real_kvserve_server(request, tmp_path):
     server = shared_server(request, *SMALL, "--disable-log-stats", "--request-log", str(log_path))
     model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
     system = "You are a careful assistant for a hardware store. " * 20
-    result = {}
-    sampler = threading.Thread(target=lambda: result.update(
-        zip(("scrapes", "failed"), sample(metrics_url(server.url), samples=12, interval=0.25, timeout=10))))
+    url = metrics_url(server.url)
+    # The window brackets the load whatever the machine's speed: a scrape before it, the sampler
+    # running during it, a scrape after it.
+    before, _ = sample(url, samples=1, interval=0, timeout=10)
+    during = {}
+    sampler = threading.Thread(target=lambda: during.update(
+        zip(("scrapes", "failed"), sample(url, samples=8, interval=0.25, timeout=10))))
     sampler.start()
     usages = []
     for i in range(6):
@@ -243,6 +246,9 @@ def test_against_the_real_kvserve_server(request, tmp_path):
         assert r.status_code == 200, r.text
         usages.append(r.json()["usage"])
     sampler.join(timeout=60)
+    assert not sampler.is_alive()
+    after, _ = sample(url, samples=1, interval=0, timeout=10)
+    result = {"scrapes": before + during["scrapes"] + after, "failed": during["failed"]}
 
     report = summarize(server.url, result["scrapes"], result["failed"], shared_prefix=True)
     assert report.kv_usage_metric == "vllm:kv_cache_usage_perc" and 0 <= report.kv_usage.max <= 1

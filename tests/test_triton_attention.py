@@ -22,9 +22,7 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-pytest.importorskip("triton")
-
+import triton  # noqa: E402,F401  (the interpreter runs the kernels)
 from attention_cases import HEADS, assert_matches, cache_for, greedy_generate, run_step  # noqa: E402
 
 from kvserve.attention import triton as triton_backend  # noqa: E402
@@ -35,6 +33,7 @@ from kvserve.attention.triton import TritonAttentionBackend, triton_support  # n
 from kvserve.config import ConfigError, ModelConfig  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", ["gqa", "mha"])
 def test_decode_batch_ragged(block_size: int, heads: str) -> None:
@@ -47,6 +46,7 @@ def test_decode_batch_ragged(block_size: int, heads: str) -> None:
     torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_splits", [1, 2, 32])
 def test_decode_split_into_key_ranges(max_splits: int) -> None:
     """Flash-decoding: each decode's keys in `splits` ranges, combined; 1 is the one-pass kernel.
@@ -68,6 +68,7 @@ def test_decode_splits_follow_the_batch() -> None:
         TritonAttentionBackend(9, 3, 64, 0.125, device="cpu", max_decode_splits=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", ["gqa", "mha"])
 def test_prefill_and_chunked_prefill_ragged(block_size: int, heads: str) -> None:
@@ -79,6 +80,7 @@ def test_prefill_and_chunked_prefill_ragged(block_size: int, heads: str) -> None
     torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [5, 16])
 def test_sliding_window_mixed_step(window: int) -> None:
     # Decodes far past the window (whole blocks fall out) next to chunks straddling it.
@@ -89,6 +91,7 @@ def test_sliding_window_mixed_step(window: int) -> None:
     torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_odd_group_odd_head_dim_small_blocks_default_tiles() -> None:
     # 3 query heads per kv head (SmolLM2's ratio), head_dim 24 (padded to 32), block size 4
     # below the 16-key tile, default 64x64 tiles; an MQA step with a 1-token-prompt too.
@@ -100,6 +103,7 @@ def test_odd_group_odd_head_dim_small_blocks_default_tiles() -> None:
     assert_matches(out, ref, torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(dtype: torch.dtype) -> None:
     out, ref, _ = run_step(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
@@ -153,6 +157,7 @@ def test_selection_rules() -> None:
         select_attention_backend("flash", tiny_config(), "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8", "int4"])
 def test_quantized_cache_matches_torch_backend(kv_dtype: str) -> None:
     """Quantized caches: both backends write through the cache (same codes) and read the same
@@ -194,7 +199,6 @@ def test_quantized_cache_matches_torch_backend(kv_dtype: str) -> None:
 
 @pytest.mark.parametrize("kind", ["llama_gqa", pytest.param("mistral_swa", marks=pytest.mark.slow)])
 def test_tiny_model_greedy_matches_torch_backend(kind: str, tmp_path) -> None:
-    pytest.importorskip("transformers")
     from tiny_models import make_tiny_model
 
     from kvserve.model.llama import LlamaModel

@@ -11,10 +11,8 @@ from tiny_models import make_tiny_gguf
 
 from kvserve.model.linear import SILU_MUL, Linear, rope_epilogue
 from kvserve.model.weight_codes import GGUFBlocks, pack_tiles
-from kvserve.ops import cpu_kernels as cpu_kernel
 
-AMX = cpu_kernel.gemm_codes_kernel("Q4_1") is not None
-needs_amx = pytest.mark.skipif(not AMX, reason="the codes kernels need a CPU with AMX")
+needs_amx = pytest.mark.needs("amx")
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> GGUFBlocks:
@@ -68,6 +66,7 @@ def test_blocks_dequantize_and_tile_order(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k,epilogue", [(64, 64, None), (512, 64, "rope"), (960, 576, "rope"), (576, 576, None),
                                           (3072, 576, "silu"), (576, 1536, None), (256, 64, "silu")])
+@pytest.mark.slow
 def test_codes_gemm_is_bit_identical_to_the_bf16_gemm(qtype, n, k, epilogue):
     w = random_blocks(qtype, n, k, seed=n + k)
     dense = w.dequantize().bfloat16()
@@ -98,6 +97,7 @@ def test_codes_replace_the_bf16_weight():
         Linear(w.dequantize().bfloat16(), codes=random_blocks("Q4_1", 64, 96))
 
 
+@pytest.mark.slow
 def test_gguf_load_keeps_codes_equal_to_the_weights(tmp_path, monkeypatch):
     from kvserve.model.loader import load_gguf
 
@@ -115,6 +115,7 @@ def test_gguf_load_keeps_codes_equal_to_the_weights(tmp_path, monkeypatch):
         assert cached.codes[name].qtype == codes.qtype and torch.equal(cached.codes[name].blocks, codes.blocks)
 
 
+@pytest.mark.slow
 @needs_amx
 def test_engine_tokens_and_logits_identical_with_and_without_codes(tmp_path, monkeypatch):
     from kvserve import LLM, SamplingParams

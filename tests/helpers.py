@@ -1,0 +1,49 @@
+"""Small helpers every kind of test uses: sampling parameters, ports, bounded waits."""
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import time
+
+from kvserve import SamplingParams
+
+
+def greedy(n: int = 16, **kw) -> SamplingParams:
+    """Greedy decoding of exactly n tokens (EOS ignored), so runs compare token for token."""
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def rand_prompts(seed: int, lengths, vocab: int) -> list[list[int]]:
+    """Token-id prompts of the given lengths, drawn from `vocab` with `seed`."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a server the test starts (which reports a bind failure)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def closed_port():
+    """A port that refuses connections for as long as the block runs: bound by this process and
+    never listened on, so nothing else can take it meanwhile (no port is assumed to be closed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy (returned) or `timeout` seconds pass
+    (AssertionError naming `what`). Every wait in the tests is bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
