@@ -181,7 +181,9 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         dev = x.device
-        x = x / torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
+        temperature = [r.params.temperature for r in rows]
+        if any(t != 1.0 for t in temperature):  # x is the caller's private copy of these rows
+            x.div_(torch.tensor(temperature, device=dev)[:, None])
         min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
         if bool((min_p > 0).any()):
             apply_min_p(x, min_p)
@@ -191,18 +193,32 @@ class Sampler:
         top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
         if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
             x = apply_top_k_top_p(x, top_k, top_p)
-        probs = x.softmax(-1)
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform per row, found in the row's cumulative distribution. The
+        # exponential race (argmax of probs / Exp(1) noise) draws a random number per vocabulary
+        # entry: 48 ms a step at 64 rows x 49,152 on this CPU, as long as the forward itself;
+        # this is ~3 ms. Seeded rows draw from their own generator, so a seeded request is
+        # reproducible whatever it is batched with.
+        cdf = x.softmax(-1).cumsum_(-1)
+        u = torch.empty(len(rows), device=dev)
         shared = []
         for j, r in enumerate(rows):
             g = self._generator(r)
             if g is None:
                 shared.append(j)
             else:
-                noise[j].exponential_(generator=g)
+                u[j] = torch.rand((), generator=g, device=dev)
         if shared:
-            noise[shared] = torch.empty(len(shared), vocab, device=dev).exponential_(generator=self.generator)
-        return row_argmax(probs / noise)
+            u[shared] = torch.rand(len(shared), generator=self.generator, device=dev)
+        total = cdf[:, -1:]
+        picked = torch.searchsorted(cdf, u[:, None] * total, right=True).clamp_(max=vocab - 1)
+        # Rounding can put the draw past the last token with mass (onto a masked tail): take
+        # that last token instead. A token has mass where the cdf rises at it.
+        before = torch.where(picked > 0, cdf.gather(1, (picked - 1).clamp(min=0)), torch.zeros_like(total))
+        empty = cdf.gather(1, picked) <= before
+        if bool(empty.any()):
+            last = (cdf < total).sum(-1, keepdim=True).clamp_(max=vocab - 1)
+            picked = torch.where(empty, last, picked)
+        return picked.squeeze(1)
 
     @staticmethod
     def _results(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, lp_rows: list[int],
