@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         if lib is None:
             print("no g++ or no AVX512-BF16 on this CPU: instruction peak not measured")
         else:
-            print(f"\nInstruction peak (register-resident loop), TFLOP/s")
+            print("\nInstruction peak (register-resident loop), TFLOP/s")
             print(f"{'threads':>7} {'bf16 VDPBF16PS':>15} {'fp32 FMA':>9}")
             for t in threads:
                 bf16, fp32 = instruction_peak(lib.bf16_dot_loop, t), instruction_peak(lib.fp32_fma_loop, t)

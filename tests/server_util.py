@@ -25,6 +25,7 @@ SMALL = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "
 # The server most tests share: small model budget, a 1 MiB body limit to test 413 cheaply.
 MAIN_ARGS = [*SMALL, "--max-request-body-bytes", "1MiB", "--disable-log-stats"]
 STARTUP_TIMEOUT_S = 240.0
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
 @dataclass
@@ -101,7 +102,9 @@ def start_server(*args: str, timeout: float = STARTUP_TIMEOUT_S, env: dict | Non
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="kvserve-server-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "kvserve", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    # The checkout's src/ first, as pytest's pythonpath does for the tests: never an installed copy.
+    path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **(env or {}))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log.name, list(args))
     deadline = time.monotonic() + timeout

@@ -258,3 +258,22 @@ def test_final_only_outputs_come_once_and_match_the_cumulative_ones(llm):
     assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
     with pytest.raises(SamplingParamsError, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind="final")
+
+
+def test_stream_interval_gathers_tokens_into_fewer_outputs(tiny):
+    """vLLM's --stream-interval N: a streamed request's outputs come every N tokens, its first token
+    and its end at once; the tokens are the same."""
+    from kvserve.config import EngineArgs
+    from kvserve.engine.engine import LLMEngine
+
+    def outputs(interval: int) -> list[list[int]]:
+        engine = LLMEngine(EngineArgs(model=tiny, dtype="float32", stream_interval=interval, kv_cache_memory=2**24))
+        engine.add_request("r", [1, 2, 3, 4], greedy(10))
+        got = []
+        while engine.has_unfinished_requests():
+            got += [o.outputs[0].delta_token_ids for o in engine.step() if o.request_id == "r"]
+        return got
+
+    every, gathered = outputs(1), outputs(4)
+    assert [len(d) for d in every] == [1] * 10
+    assert [len(d) for d in gathered] == [1, 4, 4, 1] and sum(gathered, []) == sum(every, [])

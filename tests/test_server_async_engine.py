@@ -173,6 +173,11 @@ def test_cancelled_task_aborts(llm):
     assert final <= reached + 1, f"the request kept generating after its cancel: {reached} -> {final} of 200 tokens"
     assert rid in [r for e in llm.events for r in e.aborted], "the engine's abort path did not run for it"
     assert not [o for e in llm.events for o in e.outputs if o.request_id == rid and o.finished]
+    # It ended as an abort with its reason and what it had generated (the request log's line).
+    ended = [(o, why) for e in llm.events for o, why in e.ended if o.request_id == rid]
+    assert len(ended) == 1 and ended[0][1] == "client"
+    out = ended[0][0]
+    assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == final
 
 
 def test_add_request_errors_reach_the_caller(llm):

@@ -327,3 +327,68 @@ def test_inter_token_latency_of_a_request_whose_output_waits_for_the_end():
     assert s['vllm:time_to_first_token_seconds_count{model_name="m"}'] == 1
     assert s['vllm:request_generation_tokens_sum{model_name="m"}'] == 3
     assert s['vllm:request_success_total{finished_reason="length",model_name="m"}'] == 1
+
+
+def test_the_request_log_records_aborted_requests_with_why(tmp_path):
+    """--request-log writes a line for every request that ended: finished ones, and aborted ones
+    with finish_reason "abort" and the abort_reason the engine gave (the client, the drain, a step)."""
+    from kvserve.core.request_log import REQUEST_LOG_KEYS
+    from kvserve.engine.async_engine import StepEvent
+    from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from kvserve.server.metrics import RequestLogWriter
+
+    def output(rid: str, reason: str, n: int) -> RequestOutput:
+        metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.1, first_token_time=1.2,
+                                 last_token_time=1.5, finished_time=1.6, num_cached_tokens=0, max_tokens=10)
+        done = CompletionOutput(index=0, text="x" * n, token_ids=list(range(n)), cumulative_logprob=None,
+                                logprobs=None, finish_reason=reason)
+        return RequestOutput(rid, None, [1, 2, 3], [done], True, 0, metrics)
+
+    path = tmp_path / "requests.jsonl"
+    writer = RequestLogWriter(str(path))
+    writer(StepEvent(stats=None, outputs=[output("done", "length", 10)], aborted=["gone"], now=0.0,
+                     ended=[(output("gone", "abort", 4), "client"), (output("late", "abort", 7), "shutdown")]))
+    writer.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["request_id"], r["finish_reason"], r.get("abort_reason"), r["output_tokens"]) for r in lines] == [
+        ("done", "length", None, 10), ("gone", "abort", "client", 4), ("late", "abort", "shutdown", 7)]
+    assert all(set(r) <= set(REQUEST_LOG_KEYS) for r in lines)
+
+
+def test_outputs_a_slow_reader_has_not_read_merge_into_one():
+    """A stream's unread outputs come out as one: cumulative fields from the last, deltas joined,
+    so a client that reads slowly costs one SSE event per read, not one per engine step."""
+    import asyncio
+
+    from kvserve.engine.async_engine import RequestStream
+    from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def step(tokens: list[int], new: list[int], finished: bool = False) -> RequestOutput:
+        metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=None, first_token_time=None,
+                                 last_token_time=None, finished_time=None, num_cached_tokens=0, max_tokens=9)
+        o = CompletionOutput(index=0, text="".join(map(str, tokens)), token_ids=tokens,
+                             finish_reason="length" if finished else None,
+                             delta_text="".join(map(str, new)), delta_token_ids=new)
+        return RequestOutput("r", None, [1], [o], finished, 0, metrics)
+
+    class Engine:
+        aborted: list[str] = []
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    async def main():
+        stream = RequestStream(Engine(), "r", asyncio.get_running_loop())
+        for item in (step([1], [1]), step([1, 2], [2]), step([1, 2, 3], [3])):
+            stream._sink.queue.put_nowait(item)
+        got = []
+        async for out in stream:
+            got.append(out)
+            if len(got) == 1:
+                stream._sink.queue.put_nowait(step([1, 2, 3, 4], [4], finished=True))
+        return got
+
+    first, last = asyncio.run(main())
+    assert first.outputs[0].token_ids == [1, 2, 3] and first.outputs[0].delta_token_ids == [1, 2, 3]
+    assert first.outputs[0].delta_text == "123" and not first.finished
+    assert last.finished and last.outputs[0].delta_token_ids == [4]

@@ -183,3 +183,12 @@ def test_cli_errors_name_the_flag(tmp_path, capsys):
     # a pool smaller than one request: every configuration fails with the reason
     assert main(["simulate", "--num-requests", "2", "--prompt-len", "600", "--num-blocks", "8"]) == 1
     assert "the pool holds 128 tokens" in capsys.readouterr().out
+
+
+def test_progress_lines_say_how_far_a_sweep_is(capsys):
+    """--progress: one stderr line per configuration, so a long sweep shows it is moving."""
+    from kvserve.cli import main
+    assert main(["simulate", "--num-requests", "8", "--prompt-len", "64:128", "--output-len", "8",
+                 "--kv-cache-memory", "64MiB,128MiB", "--progress"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kvserve simulate:")]
+    assert [line.split(" done")[0] for line in err] == ["kvserve simulate: 1/2", "kvserve simulate: 2/2"]

@@ -265,3 +265,8 @@ def test_against_the_real_kvserve_server(request, tmp_path):
     # kvserve also serves partial blocks, so it hits at least what a block-aligned cache would.
     simulated = simulate_prefix_cache([r.prompt_token_ids for r in log.records], 16)
     assert 0 < simulated.hit_tokens <= sum(served)
+
+
+def test_url_defaults_to_the_local_kvserve_server():
+    from kvserve.cli import build_parser
+    assert build_parser().parse_args(["stats"]).url == "http://127.0.0.1:8000"

@@ -67,6 +67,16 @@ def _non_negative(value: str) -> float:
     return seconds
 
 
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    return n
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -173,7 +183,8 @@ def _add_serve(sub) -> None:
                    "prefix cache (salted block hashes)")
     s.add_argument("--enable-log-requests", action="store_true", help="log each request's prompt and params")
     s.add_argument("--max-log-len", type=int, default=None, help="characters of a prompt shown in request logs")
-    s.add_argument("--request-log", metavar="PATH", help="append one JSON line per finished request "
+    s.add_argument("--request-log", metavar="PATH", help="append one JSON line per request that ended, aborts "
+                   "included with why "
                    "(input for `kvserve analyze`)")
     s.add_argument("--max-request-body-bytes", type=_size, default=32 * 1024**2,
                    help="larger request bodies get 413 (default: 32MiB)")
@@ -191,6 +202,9 @@ def _add_serve(sub) -> None:
     s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
     s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument("--max-queued-requests", type=_positive_int, default=None, metavar="N",
+                   help="refuse a request with 503 and Retry-After while N requests wait to be scheduled "
+                        "(SGLang's flag; default: no limit, as vLLM)")
     s.add_argument("--shutdown-timeout", type=_non_negative, default=0.0, metavar="SECONDS",
                    help="on SIGTERM / SIGINT, let requests in flight finish for up to SECONDS, then end the "
                         "rest with an error (vLLM's; default 0: end them at once). New requests are refused")
@@ -238,7 +252,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     config = ServingConfig(served_model_names=names, max_logprobs=llm.max_logprobs,
                            enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len,
                            response_role=ns.response_role, cors=cors, scheduling_policy=args.scheduling_policy,
-                           disable_docs=ns.disable_fastapi_docs)
+                           disable_docs=ns.disable_fastapi_docs, max_queued_requests=ns.max_queued_requests)
     app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes)
     s = llm.latest_stats
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",

@@ -280,6 +280,9 @@ class EngineArgs:
     preemption_mode: str | None = _arg(None, "what happens to a preempted request's KV: recompute, or swap to the "
                                              "host tier (default: swap when --swap-space/--cpu-offload-gb is set, "
                                              "else recompute)", "Scheduler", PREEMPTION_MODES)
+    stream_interval: int = _arg(1, "tokens a streamed request gathers before they are sent (vLLM's; its first "
+                                   "token and its end are sent at once): fewer, larger events, less server work "
+                                   "per token", "Scheduler")
     cache_aware_scheduling: bool = _arg(False, "admit the waiting request with the longest cached prefix first "
                                                "(SGLang's longest-prefix-match)", "Scheduler")
     speculative_config: dict | str | None = _arg(
@@ -337,6 +340,8 @@ class EngineArgs:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        if self.stream_interval < 1:
+            raise ConfigError(f"--stream-interval must be >= 1 token (got {self.stream_interval})")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
         if self.max_cudagraph_capture_size < 1:

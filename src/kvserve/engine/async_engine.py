@@ -20,6 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from kvserve.core.sampling_params import RequestOutputKind
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,6 +44,9 @@ class StepEvent:
     # Every request the step gave tokens to (RequestProgress), including those whose output is
     # held back until they finish (non-streaming requests): per-token metrics come from here.
     progress: list = field(default_factory=list)
+    # Requests that ended without finishing, with why: (last RequestOutput, "client" | "shutdown"
+    # | "error"): a client gone, the shutdown drain's end, a failed step.
+    ended: list = field(default_factory=list)
 
 
 StepListener = Callable[[StepEvent], None]
@@ -77,11 +82,12 @@ class RequestStream:
     """One admitted request's outputs. Iterating past `finished` ends; leaving early aborts."""
 
     def __init__(self, llm: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop,
-                 final_only: bool = False):
+                 final_only: bool = False, mergeable: bool = True):
         self.llm = llm
         self.request_id = request_id
         self._sink = _Stream(loop, asyncio.Queue(), final_only)
         self.finished = False
+        self._mergeable = mergeable  # cumulative outputs (the default): unread ones merge into one
 
     def abort(self) -> None:
         if not self.finished:
@@ -89,9 +95,16 @@ class RequestStream:
             self.llm.abort(self.request_id)
 
     async def __aiter__(self) -> AsyncIterator:
+        queue = self._sink.queue
         try:
             while not self.finished:
-                item = await self._sink.queue.get()
+                item = await queue.get()
+                # A reader that fell behind gets what piled up as one output (one SSE event),
+                # not one per step: a slow client costs the server one event per read.
+                while (self._mergeable and not isinstance(item, BaseException) and not item.finished
+                       and not queue.empty()):
+                    later = queue.get_nowait()
+                    item = later if isinstance(later, BaseException) else later.merged_after(item)
                 if isinstance(item, BaseException):
                     self.finished = True  # the loop already aborted it in the engine
                     raise item
@@ -114,8 +127,10 @@ class AsyncLLM:
         self._commands: deque[Callable[[], None]] = deque()
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
         self._aborted: list[str] = []  # engine thread: client aborts since the last publish
+        self._ended: list[tuple[Any, str]] = []  # engine thread: requests ended unfinished, with why
         self._stop = False
         self._closing = False  # shutting down: no new requests (begin_shutdown)
+        self._adding = 0  # add_request calls waiting for the engine thread to take them
         self._thread: threading.Thread | None = None
         self.latest_stats = engine.get_stats()
         self.num_step_errors = 0
@@ -188,7 +203,7 @@ class AsyncLLM:
                                len(ids), drain_seconds)
                 self._aborted.extend(ids)
                 self._fail_all(EngineDeadError("the server is shutting down"))
-                self.engine.abort_request(ids)
+                self._ended.extend((out, "shutdown") for out in self.engine.abort_request(ids))
 
         def when_due() -> None:
             with self._cv:
@@ -249,7 +264,7 @@ class AsyncLLM:
             if self._streams.pop(request_id, None) is not None:
                 self._aborted.append(request_id)
                 logger.info("Aborted request %s.", request_id)  # vLLM's line: a client left before the end
-            self.engine.abort_request([request_id])
+            self._ended.extend((out, "client") for out in self.engine.abort_request([request_id]))
 
         with self._cv:
             self._commands.append(do_abort)
@@ -264,18 +279,27 @@ class AsyncLLM:
         """
         if self._closing:
             raise EngineDeadError("the server is shutting down")
-        stream = RequestStream(self, request_id, asyncio.get_running_loop(), final_only)
+        stream = RequestStream(self, request_id, asyncio.get_running_loop(), final_only,
+                               mergeable=params.output_kind == RequestOutputKind.CUMULATIVE)
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
             self._streams[request_id] = stream._sink
 
+        self._adding += 1
         try:
             await self.acall(add)
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still run; this abort is queued after it
             raise
+        finally:
+            self._adding -= 1
         return stream
+
+    def num_queued(self) -> int:
+        """Requests waiting to be scheduled, and those on their way in (callable from any thread:
+        a length read of the scheduler's queue, exact between steps)."""
+        return len(self.engine.scheduler.waiting) + self._adding
 
     async def generate(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator:
@@ -329,7 +353,7 @@ class AsyncLLM:
             self._aborted.extend(ids)
             self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
             try:
-                self.engine.abort_request(ids)
+                self._ended.extend((out, "error") for out in self.engine.abort_request(ids))
             except Exception:
                 logger.exception("abort after a failed step also failed")
             return []
@@ -357,8 +381,8 @@ class AsyncLLM:
             logger.exception("get_stats failed")
             return
         event = StepEvent(self.latest_stats, outputs, self._aborted, time.monotonic(), self.num_step_errors,
-                          progress)
-        self._aborted = []
+                          progress, self._ended)
+        self._aborted, self._ended = [], []
         for listener in self.step_listeners:
             try:
                 listener(event)

@@ -255,17 +255,21 @@ class LLMEngine:
             return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         return params
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """End these requests now (unknown or finished ids are ignored); their blocks are freed.
+        Returns each one's last output, finish_reason "abort", for logs and metrics."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        ended = []
         for rid in request_ids:
-            group = self._groups.pop(rid, None)
+            group = self._groups.get(rid)
             if group is None:
                 continue
             for s in group.seqs:
-                self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
-                self._seq_of.pop(s.req.request_id, None)
-                self._group_of.pop(s.req.request_id, None)
+                if not s.req.is_finished:
+                    self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
+            ended.append(self._make_output(group))  # every sequence finished: the group leaves
+        return ended
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -327,8 +331,16 @@ class LLMEngine:
             group = self._group_of[req.request_id]
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
         self.last_step_progress = [self._progress(g) for g in groups.values()]
-        return [self._make_output(g) for g in groups.values()
-                if g.output_kind != RequestOutputKind.FINAL_ONLY or all(s.req.is_finished for s in g.seqs)]
+        return [self._make_output(g) for g in groups.values() if self._due(g)]
+
+    def _due(self, group: _Group) -> bool:
+        """Whether this step's output of the group is sent: a final-only request's when it ends; a
+        streamed one's every --stream-interval tokens, its first token and its end at once."""
+        if group.output_kind == RequestOutputKind.FINAL_ONLY:
+            return all(s.req.is_finished for s in group.seqs)
+        n = self.args.stream_interval
+        return n == 1 or any(s.req.is_finished or len(s.new_token_ids) >= n
+                             or len(s.new_token_ids) == s.req.num_output_tokens for s in group.seqs)
 
     def _add_sampled(self, req: Request, seq: _Sequence, tok) -> None:
         """One sampled token: its logprobs, its text, and the stop strings it may complete."""

@@ -1,6 +1,7 @@
 """What the engine returns: per-request outputs and an engine-wide stats snapshot."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -90,6 +91,20 @@ class RequestOutput:
     @property
     def ttft(self) -> float | None:
         return self.metrics.time_to_first_token
+
+    def merged_after(self, earlier: "RequestOutput") -> "RequestOutput":
+        """This (cumulative) output with the deltas of an `earlier` one nobody read prepended: one
+        output that says what both said."""
+        before = {o.index: o for o in earlier.outputs}
+        outputs = []
+        for o in self.outputs:
+            e = before.get(o.index)
+            if e is not None:
+                o = dataclasses.replace(
+                    o, delta_text=e.delta_text + o.delta_text, delta_token_ids=e.delta_token_ids + o.delta_token_ids,
+                    delta_logprobs=None if o.delta_logprobs is None else (e.delta_logprobs or []) + o.delta_logprobs)
+            outputs.append(o)
+        return dataclasses.replace(self, outputs=outputs)
 
 
 @dataclass

@@ -7,6 +7,7 @@ transformers renders it (sandboxed jinja2, trim_blocks + lstrip_blocks) so promp
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from functools import lru_cache
@@ -199,6 +200,13 @@ class Tokenizer:
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to: a text of n characters is at least
+        n / max_token_chars tokens, which refuses a prompt far over the context without
+        tokenizing it (megabytes take seconds)."""
+        return max(len(self.backend.decode([i], skip_special_tokens=False)) for i in range(self.vocab_size))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:  # transformers' default
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,9 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
         disable_cascade_attn=args.disable_cascade_attn, cuda_graph_sizes=tuple(cuda_graph_sizes(args, device)),
         max_model_len=budget.max_model_len, num_residual_blocks=quantized.residual_blocks_for(args.max_num_seqs),
         kv_scales=kv_scales), weight_codes=None if args.quantization == "none" else loaded.codes)
+    start = time.perf_counter()
+    runner.warm_up(min(args.resolved_max_num_batched_tokens(budget.max_model_len), budget.max_model_len - 1))
+    logger.info("warm-up step: %.2f s", time.perf_counter() - start)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
                 "maximum concurrency for %d tokens per request: %.2fx",
                 budget.num_blocks, args.block_size, budget.num_tokens,

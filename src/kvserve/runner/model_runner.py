@@ -20,6 +20,8 @@ from kvserve.attention.selector import select_attention_backend
 from kvserve.cache.factory import create_kv_cache
 from kvserve.cache.quantizers import KVScales
 from kvserve.config import ModelConfig
+from kvserve.core.request import Request
+from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.step import ModelRunnerOutput, PromptLogprobs, ScheduledRequest, SchedulerOutput
 from kvserve.model.llama import LlamaModel
 from kvserve.ops.host_alloc import tune_malloc_for_inference
@@ -114,6 +116,26 @@ class ModelRunner:
                              f"[{bad.start_pos}, {bad.start_pos + bad.num_new_tokens}) but it has only "
                              f"{bad.request.num_tokens} tokens")
         return torch.from_numpy(ids).to(self.device), meta
+
+    def warm_up(self, prompt_len: int) -> None:
+        """A prefill of `prompt_len` tokens, then a decode, over the pool's first blocks, their
+        outputs dropped: the kernels' first calls, the activations' first pages and the sampler's
+        buffers are paid here, before the server says it is ready, not by its first request.
+        Only a full-precision cache: its blocks hold nothing but the tensors, which the KV
+        manager (which never handed these blocks out) lets the next writer overwrite; a quantized
+        cache also tracks open blocks, which this would leave behind."""
+        if self.config.kv_cache_dtype != "auto":
+            return
+        prompt_len = min(prompt_len, self.num_blocks * self.block_size - 1)
+        if prompt_len < 1:
+            return
+        table = list(range(-(-(prompt_len + 1) // self.block_size)))
+        req = Request("warm-up", [i % self.model_config.vocab_size for i in range(prompt_len)],
+                      SamplingParams(temperature=1.0, max_tokens=2))
+        out = self.execute(SchedulerOutput([ScheduledRequest(req, 0, prompt_len, table, True)]))
+        req.append_output_token(out.sampled[req.request_id].token_id)
+        self.execute(SchedulerOutput([ScheduledRequest(req, prompt_len, 1, table, True)]))
+        self.sampler.forget([req.request_id])
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

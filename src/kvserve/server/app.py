@@ -243,7 +243,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return JSONResponse(e.to_dict(), status_code=e.status)
+        return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
@@ -341,13 +341,14 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send exactly one of `prompt` or `messages`", param="prompt")
         if body.prompt is not None:
-            ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await serving.off_loop(serving.tokenizer.encode, body.prompt,
+                                         add_special_tokens=body.add_special_tokens)
         else:
             if not body.messages:
                 raise APIError("`messages` is empty", param="messages")
             chat = P.ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                                            continue_final_message=body.continue_final_message)
-            ids = serving.chat_prompt(chat)
+            ids = await serving.off_loop(serving.chat_prompt, chat)
         # vocabulary pieces, as vLLM's convert_ids_to_tokens ("Ġthere"), not decoded text
         strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return P.TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids, token_strs=strs)

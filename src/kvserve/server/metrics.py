@@ -378,7 +378,8 @@ def request_log_fields(out) -> dict:
 
 
 class RequestLogWriter:
-    """--request-log PATH: one JSON line per finished request (a step listener, on the engine thread).
+    """--request-log PATH: one JSON line per request that ended, finished or aborted (a step
+    listener, on the engine thread).
 
     The line format is kvserve.core.request_log's, which `kvserve analyze` reads.
     """
@@ -391,6 +392,8 @@ class RequestLogWriter:
         for out in event.outputs:
             if out.finished:
                 self._file.write(format_request_log_record(**request_log_fields(out)) + "\n")
+        for out, why in event.ended:  # aborted: the client left, the drain ended, a step failed
+            self._file.write(format_request_log_record(**request_log_fields(out), abort_reason=why) + "\n")
 
     def close(self) -> None:
         self._file.close()

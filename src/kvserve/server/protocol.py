@@ -19,9 +19,10 @@ class APIError(Exception):
     """A request the server refuses; rendered as an OpenAI error object with `status`."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+        self.headers = headers  # e.g. Retry-After on a 503
 
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

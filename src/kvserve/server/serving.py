@@ -12,7 +12,9 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import AsyncIterator
 
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
@@ -37,6 +39,7 @@ class ServingConfig:
     scheduling_policy: str = "fcfs"
     cors: CorsConfig | None = None  # None: no CORS headers (tests, embedding apps)
     disable_docs: bool = False  # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json
+    max_queued_requests: int | None = None  # SGLang's --max-queued-requests: a 503 beyond it
 
 
 def _is_off(value) -> bool:
@@ -72,6 +75,16 @@ class OpenAIServing:
         self.max_model_len = llm.max_model_len
         self.model_name = config.served_model_names[0]
         self.token_text = llm.token_text
+        # Tokenizing (and rendering chat templates) runs here, off the event loop: a 10 MB prompt
+        # takes seconds to tokenize, during which /health and every stream must keep answering.
+        # The tokenizers library releases the GIL while it encodes.
+        self._tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-tokenize")
+        if self.tokenizer is not None:
+            self.tokenizer.max_token_chars  # computed now (a pass over the vocabulary), not by a request
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the tokenizing threads; its exceptions are raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, partial(fn, *args, **kwargs))
 
     # ----- validation -----
 
@@ -126,14 +139,16 @@ class OpenAIServing:
                            param="truncate_prompt_tokens")
         return ids[-(self.max_model_len if k == -1 else k):]
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> int:
+    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str, at_least: bool = False) -> int:
+        """`at_least`: prompt_len is a lower bound (from the text's length, before tokenizing)."""
         if prompt_len == 0:
             raise APIError(f"{what} is empty; send at least one token", param=what)
         room = self.max_model_len - prompt_len
         if room <= 0:
             verb = "have" if what == "messages" else "has"
+            count = f"at least {prompt_len}" if at_least else f"{prompt_len}"
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                           f"your {what} {verb} {prompt_len} tokens, leaving no room for output; shorten it "
+                           f"your {what} {verb} {count} tokens, leaving no room for output; shorten it "
                            f"or start the server with a larger --max-model-len", param=what,
                            code="context_length_exceeded")
         if max_tokens is None:
@@ -175,6 +190,11 @@ class OpenAIServing:
     async def _admit(self, prompts: list[list[int]], per_prompt: list[SamplingParams],
                      req: P._SamplingRequest, cache_salt: str | None, prefix: str) -> _Admitted:
         admitted = _Admitted(f"{prefix}-{uuid.uuid4().hex}", [])
+        limit = self.config.max_queued_requests
+        if limit is not None and self.llm.num_queued() + len(prompts) * req.n > limit:
+            raise APIError(f"the server has {limit} requests waiting, the most --max-queued-requests allows; "
+                           f"retry later", status=503, type="ServiceUnavailableError",
+                           code="queue_full", headers={"Retry-After": "1"})
         try:
             for i, (ids, params) in enumerate(zip(prompts, per_prompt)):
                 if not req.stream:
@@ -217,6 +237,8 @@ class OpenAIServing:
             if isinstance(item, str):
                 if not item:
                     raise APIError("prompt is empty; send at least one character", param="prompt")
+                if req.truncate_prompt_tokens is None:
+                    self._check_length(-(-len(item) // self.tokenizer.max_token_chars), None, "prompt", at_least=True)
                 prompts.append(self.tokenizer.encode(item))
                 texts.append(item)
             else:
@@ -233,7 +255,7 @@ class OpenAIServing:
             raise APIError("suffix is not supported by kvserve; remove it", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of is not supported (vLLM V1 dropped it too); use n", param="best_of")
-        ids, texts = self._completion_prompts(req)
+        ids, texts = await self.off_loop(self._completion_prompts, req)
         prompts = [self._truncated(p, req) for p in ids]
         # echo: the prompt as sent (vLLM); token ids and truncated prompts decoded, special tokens kept
         echoes = [(t if t is not None and len(p) == len(q) else self.tokenizer.decode(q)) if req.echo else ""
@@ -335,7 +357,7 @@ class OpenAIServing:
                            param="response_format")
         if req.top_logprobs and not req.logprobs:  # 0 is vLLM's default, sent by clients that send every field
             raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
-        ids = self._truncated(self.chat_prompt(req), req)
+        ids = self._truncated(await self.off_loop(self.chat_prompt, req), req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_length(len(ids), requested, "messages")
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,

@@ -18,6 +18,7 @@ finished request, written by kvserve.core.request_log:
   ttft            float | null   seconds from arrival to first token (null if none was produced)
   e2e             float   seconds from arrival to finish
   finish_reason   "stop" | "length" | "abort" | null
+  abort_reason    "client" | "shutdown" | "error", on aborted requests only
 """
 from __future__ import annotations
 

@@ -299,7 +299,8 @@ def load_trace(args) -> Trace:
         request_rate=args.request_rate, priority_levels=args.priority_levels, seed=args.seed, token_range=(lo, hi)))
 
 
-def run_sweep(args) -> SweepReport:
+def run_sweep(args, progress=None) -> SweepReport:
+    """`progress(done, total, config)`: called after each configuration (the CLI prints it to stderr)."""
     spec = resolve_model(args.model or "SmolLM2-135M")
     cfg = spec.config
     dtype = normalize_dtype(spec.dtype if args.dtype == "auto" else args.dtype)
@@ -311,10 +312,13 @@ def run_sweep(args) -> SweepReport:
         notes.append(f"the longest request needs {need} tokens, more than max-model-len {max_model_len}: "
                      "longer requests are skipped, as the engine would refuse them")
     results = []
-    for c in build_configs(args, cfg, dtype):
+    configs = build_configs(args, cfg, dtype)
+    for c in configs:
         bpt = kv_bytes_per_block(cfg, c.block_size, c.kv_cache_dtype, dtype) / c.block_size
         cost = step_cost(cfg, dtype, bpt, args.hardware, args.step_overhead_ms)
         results.append(simulate(trace, c, max_model_len, cost, cfg.vocab_size))
+        if progress is not None:
+            progress(len(results), len(configs), c)
     return SweepReport(cfg.name, trace.source, trace.num_requests, max_model_len, args.hardware, notes, results)
 
 
@@ -374,6 +378,15 @@ def add_parser(subparsers) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-': print JSON instead of the table)")
+    p.add_argument("--progress", action="store_true",
+                   help="a line on stderr per configuration of the sweep (on by default at a terminal)")
+
+
+def _progress(done: int, total: int, c: SimConfig) -> None:
+    """One stderr line per configuration of a sweep: what ran and how far along the sweep is."""
+    mem = fmt_bytes(c.kv_cache_memory) if c.kv_cache_memory is not None else f"{c.num_blocks} blocks"
+    print(f"kvserve simulate: {done}/{total} done (block {c.block_size}, {mem}, {c.kv_cache_dtype}, "
+          f"{c.max_num_seqs} seqs, {c.scheduling_policy})", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -387,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
         if args.max_model_len is not None and args.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1 (got {args.max_model_len})")
         check_writable(args.json, "--json")
-        report = run_sweep(args)
+        report = run_sweep(args, progress=_progress if sys.stderr.isatty() or args.progress else None)
     except ConfigError as e:
         print(f"kvserve simulate: error: {e}", file=sys.stderr)
         return 2

@@ -232,7 +232,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("stats", help="sample a server's /metrics and judge its KV cache",
                               description="Poll /metrics of a kvserve or vLLM server and report KV usage, prefix "
                                           "hit rate, preemptions and queue depth, with verdicts.")
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000 (/metrics is added)")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="server base URL (/metrics is added; default: %(default)s, kvserve serve's own)")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for one scrape")

