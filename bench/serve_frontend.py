@@ -5,6 +5,7 @@ request while huge prompts arrive.
 
     python bench/serve_frontend.py                      # both servers, every part
     python bench/serve_frontend.py --servers kvserve     # kvserve alone
+    python bench/serve_frontend.py --servers kvserve,kvserve-thread --parts stream   # core process vs thread
     python bench/serve_frontend.py --parts bench --rate 6
 
 Parts:
@@ -69,10 +70,12 @@ class Server:
             self.proc.kill()
 
 
-def start_kvserve() -> Server:
+def start_kvserve(name: str = "kvserve") -> Server:
+    """kvserve: the engine core in its own process; kvserve-thread: on a thread of the API server's."""
     port = free_port()
-    return Server("kvserve", [sys.executable, "-m", "kvserve", "serve", "--port", str(port),
-                              "--disable-log-stats", "--uvicorn-log-level", "warning"], dict(os.environ), port)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0" if name == "kvserve-thread" else "1")
+    return Server(name, [sys.executable, "-m", "kvserve", "serve", "--port", str(port),
+                         "--disable-log-stats", "--uvicorn-log-level", "warning"], env, port)
 
 
 def start_vllm(venvs: Path, model_dir: Path) -> Server:
@@ -191,19 +194,19 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "results": {}}
     for name in servers:
-        server = start_kvserve() if name == "kvserve" else start_vllm(args.venvs, model_dir)
+        server = start_vllm(args.venvs, model_dir) if name == "vllm" else start_kvserve(name)
         try:
             res = report["results"][name] = {"ready_s": server.wait_ready()}
             if "bench" in parts:
                 for rate in ("inf", args.rate):
                     res[f"bench_rate_{rate}"] = vllm_bench(args.venvs, model_dir, server.url, rate,
                                                            args.json.parent / f"vllm_bench_{name}_{rate}.json")
-            if name == "kvserve" and "stream" in parts:
+            if name != "vllm" and "stream" in parts:
                 import random
                 rng = random.Random(0)
                 prompts = [[rng.randrange(49152) for _ in range(384)] for _ in range(64)]
                 res["stream"] = asyncio.run(stream_vs_plain(server.url, prompts, 128))
-            if name == "kvserve" and "stall" in parts:
+            if name != "vllm" and "stall" in parts:
                 res["stall"] = asyncio.run(stall(server.url))
         finally:
             server.stop()
@@ -219,14 +222,15 @@ def main() -> int:
                     print(f"{name:8} {rate:>5} {b['duration']:8.2f} {b['output_throughput']:10.1f} "
                           f"{b['mean_ttft_ms']:10.1f} {b['p99_ttft_ms']:9.1f} {b['mean_tpot_ms']:10.1f} "
                           f"{b['p99_itl_ms']:8.1f}")
-    k = report["results"].get("kvserve", {})
-    if "stream" in k:
-        s = k["stream"]
-        print(f"\nkvserve, 64 cached prompts 384/128: non-streaming {s['non_streaming']:.2f} s, streaming "
-              f"{s['streaming']:.2f} s ({s['streaming_vs_non_streaming']:.2f}x), {s['sse_events']} SSE events")
-    if "stall" in k:
+    for name, k in report["results"].items():
+        if "stream" in k:
+            s = k["stream"]
+            print(f"\n{name}, 64 cached prompts 384/128: non-streaming {s['non_streaming']:.2f} s, streaming "
+                  f"{s['streaming']:.2f} s ({s['streaming_vs_non_streaming']:.2f}x), {s['sse_events']} SSE events")
+        if "stall" not in k:
+            continue
         s = k["stall"]
-        print(f"kvserve, {s['huge_prompts']} x {s['huge_bytes'] / 2**20:.0f} MB prompts (status {s['huge_statuses']}, "
+        print(f"{name}, {s['huge_prompts']} x {s['huge_bytes'] / 2**20:.0f} MB prompts (status {s['huge_statuses']}, "
               f"{s['huge_seconds']:.2f} s): /health p50 {s['health_p50_ms']:.1f} ms, p99 {s['health_p99_ms']:.1f} ms "
               f"over {s['health_probes']} probes; a 1-token completion {s['small_completion_s']:.2f} s "
               f"(status {s['small_status']})")

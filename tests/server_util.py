@@ -48,7 +48,12 @@ class ServerHandle:
         """Sum of the samples of `name` whose labels include `labels`."""
         return metric_value(self.metrics(), name, **labels)
 
+    def children(self) -> list[int]:
+        """PIDs of the server's child processes (the engine core)."""
+        return child_pids(self.proc.pid)
+
     def stop(self) -> None:
+        children = self.children() if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -56,6 +61,38 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        for pid in children:  # the core exits with its parent; never leave one behind
+            if not wait_gone(pid, 10):
+                os.kill(pid, signal.SIGKILL)
+                wait_gone(pid, 10)
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """True once `pid` has exited (or is a zombie), within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def open_request(url: str, path: str, body: dict, timeout: float = 60.0) -> socket.socket:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def llm():
     events: list[StepEvent] = []
     engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=256, num_gpu_blocks_override=64),
-                                       step_listeners=[events.append])
+                                       step_listeners=[events.append], multiprocess=False)
     engine.events = events
     engine.start()
     yield engine
@@ -234,10 +234,10 @@ def test_engine_is_built_on_the_thread_that_steps_it(monkeypatch):
         return real(cls, args)
 
     monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(recording))
-    llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=128, num_gpu_blocks_override=16))
+    llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=128, num_gpu_blocks_override=16), multiprocess=False)
     try:
         assert llm.is_running
-        assert built_on == [llm._thread.ident] and built_on[0] != threading.get_ident()
+        assert built_on == [llm.client.thread.ident] and built_on[0] != threading.get_ident()
         out = asyncio.run(_collect(llm, "Hi", greedy(3)))
         assert out[-1].finished and len(out[-1].outputs[0].token_ids) == 3
     finally:
@@ -249,7 +249,7 @@ def test_engine_build_errors_reach_the_caller():
     import threading
     before = set(threading.enumerate())
     with pytest.raises(Exception, match="max_model_len|max-model-len"):
-        AsyncLLM.from_engine_args(EngineArgs(max_model_len=10**9, num_gpu_blocks_override=16))
+        AsyncLLM.from_engine_args(EngineArgs(max_model_len=10**9, num_gpu_blocks_override=16), multiprocess=False)
     assert not [t for t in set(threading.enumerate()) - before if t.name == "kvserve-engine"]
 
 

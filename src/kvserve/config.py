@@ -59,7 +59,9 @@ VLLM_REFUSED = {
 # Flags that change nothing here: name -> why (switches), and the same for flags that take a value.
 VLLM_NOOP = {"trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
              "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
-             "disable_frontend_multiprocessing": "the HTTP server and the engine share one process already"}
+             "disable_frontend_multiprocessing": "the API server is the front end already; whether the engine core "
+                                                 "has a process of its own is VLLM_ENABLE_V1_MULTIPROCESSING's, "
+                                                 "as in vLLM V1"}
 VLLM_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve's decode graphs cover every context length "
                                              "(the attention kernel reads lengths from device memory)",
                    "download_dir": "models are local paths; nothing is downloaded",

@@ -1,26 +1,28 @@
-"""AsyncLLM: the LLMEngine stepping in its own thread, with an asyncio front for the server.
+"""AsyncLLM: the server's asyncio front to an engine core that runs elsewhere.
 
-Why a thread and not an asyncio task: a step is a blocking forward pass (tens to hundreds of
-milliseconds). Run on the event loop it would stall every HTTP connection for that long; run in a
-thread, torch releases the GIL inside its kernels and the event loop keeps accepting connections,
-streaming tokens and answering /metrics while the model computes.
+The core (engine/core.py) runs scheduling and the model in its own process by default
+(engine/core_proc.py; VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps it on a thread of this one). Never
+on the event loop: a step is a blocking forward of tens to hundreds of milliseconds.
 
-Everything that touches the engine (add, abort, reset, stats) runs on the engine thread, between
-steps, as a queued command: the engine itself needs no locks. Outputs flow back per request through
-an asyncio.Queue fed with loop.call_soon_threadsafe.
+Everything that touches the engine (add, abort, reset, stats) is a message the core handles
+between two steps: the engine itself needs no locks. Each iteration's CoreBatch comes back on a
+client thread; outputs go to their request's asyncio.Queue through loop.call_soon_threadsafe, and
+the step listeners (metrics, logs) run there, off the event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
-import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from kvserve.core.sampling_params import RequestOutputKind
+from kvserve.engine.core import ABORT, ABORT_CLIENT, ABORT_SHUTDOWN, ADD, CALL, CoreBatch, engine_info
+from kvserve.engine.detokenizer import token_text_cache
+from kvserve.engine.outputs import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,14 @@ def _deliver(items: list[tuple[_Stream, Any]]) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for stream, item in items:
         by_loop.setdefault(stream.loop, []).append((stream, item))
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
     for loop, batch in by_loop.items():
+        if loop is running:  # outputs received on the event loop itself (the server's case)
+            _put_all(batch)
+            continue
         try:
             loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
@@ -115,37 +124,56 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, engine, step_listeners: list[StepListener] | None = None):
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.max_model_len
-        self.max_logprobs: int = engine.max_logprobs
-        self.sampling_defaults: dict = engine.sampling_defaults
-        self.token_text = engine.token_text
+    def __init__(self, engine=None, step_listeners: list[StepListener] | None = None, *, client=None,
+                 args=None, info: dict | None = None):
+        """AsyncLLM(engine): the core on a thread of this process, over `engine`. The other form
+        (client, args, info) is from_engine_args's."""
+        from kvserve.engine.core_client import InprocClient
+        self.engine = engine  # None when the core runs in its own process
+        self.client = client or InprocClient(engine, self._on_batch, self._on_dead)
+        self.args = args if args is not None else engine.args
+        info = info or engine_info(engine)
+        self.tokenizer = info["tokenizer"]
+        self.max_model_len: int = info["max_model_len"]
+        self.max_logprobs: int = info["max_logprobs"]
+        self.sampling_defaults: dict = info["sampling_defaults"]
+        self.latest_stats = info["stats"]
+        self.token_text = engine.token_text if engine is not None else token_text_cache(self.tokenizer)
         self.step_listeners: list[StepListener] = list(step_listeners or [])
-        self._cv = threading.Condition()
-        self._commands: deque[Callable[[], None]] = deque()
-        self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
-        self._aborted: list[str] = []  # engine thread: client aborts since the last publish
-        self._ended: list[tuple[Any, str]] = []  # engine thread: requests ended unfinished, with why
-        self._stop = False
+        self._lock = threading.Lock()  # _streams and _calls: the event loop, the client thread, timers
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
         self._closing = False  # shutting down: no new requests (begin_shutdown)
-        self._adding = 0  # add_request calls waiting for the engine thread to take them
-        self._thread: threading.Thread | None = None
-        self.latest_stats = engine.get_stats()
+        self._dead: str | None = None  # why the core stopped for good
+        self._adding = 0  # add_request calls waiting for the core's answer
         self.num_step_errors = 0
 
     @classmethod
-    def from_engine_args(cls, args, step_listeners: list[StepListener] | None = None) -> "AsyncLLM":
-        """Build the engine on the thread that will step it, and start that thread's loop.
+    def from_engine_args(cls, args, step_listeners: list[StepListener] | None = None,
+                         multiprocess: bool | None = None) -> "AsyncLLM":
+        """The engine core in its own process (the default; vLLM's VLLM_ENABLE_V1_MULTIPROCESSING),
+        or on a thread of this one; either way built where it will run, and warm when this returns.
 
-        Why there: libgomp keeps one thread team per thread that ever ran a parallel region, and
-        once more OpenMP threads exist than CPUs it cuts its spin-wait from ~300k iterations to 1k,
-        so every barrier of every op sleeps and wakes through the kernel. Loading the model on the
-        main thread and stepping it on another left two teams (4 threads on a 2-core machine) and
-        made decode steps 1.3x slower than offline (bench/NOTES.md). Built here, the main thread
-        (the event loop, which runs no torch ops) never creates a team.
+        Why built there: libgomp keeps one thread team per thread that ever ran a parallel region,
+        and once more OpenMP threads exist than CPUs it cuts its spin-wait from ~300k iterations
+        to 1k, so every barrier of every op sleeps and wakes through the kernel. Loading the model
+        on one thread and stepping it on another left two teams (4 threads on a 2-core machine)
+        and made decode steps 1.3x slower than offline (bench/NOTES.md).
         """
+        from kvserve import envs
+        if multiprocess is None:
+            multiprocess = envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        if multiprocess:
+            from kvserve.engine.core_client import MPClient
+            llm = cls.__new__(cls)
+            client = MPClient(args, llm._on_batch, llm._on_dead)
+            llm.__init__(None, step_listeners, client=client, args=args, info=client.info)
+            return llm  # started by start(): on a thread, or on the server's event loop
+        return cls._built_on_its_thread(args, step_listeners)
+
+    @classmethod
+    def _built_on_its_thread(cls, args, step_listeners) -> "AsyncLLM":
         from kvserve.engine.engine import LLMEngine
         built: dict[str, Any] = {}
         ready = threading.Event()
@@ -153,13 +181,13 @@ class AsyncLLM:
         def build_then_run() -> None:
             try:
                 llm = built["llm"] = cls(LLMEngine.from_engine_args(args), step_listeners)
-                llm._thread = threading.current_thread()
+                llm.client.thread = threading.current_thread()
             except BaseException as e:  # re-raised on the caller's thread
                 built["error"] = e
                 return
             finally:
                 ready.set()
-            llm._run()
+            llm.client.run()
 
         thread = threading.Thread(target=build_then_run, name="kvserve-engine", daemon=True)
         thread.start()
@@ -171,20 +199,14 @@ class AsyncLLM:
 
     # ----- lifecycle -----
 
-    def start(self) -> None:
-        """Start the loop thread (a no-op for from_engine_args, whose thread already runs)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-            self._thread.start()
+    def start(self, on_loop: bool = False) -> None:
+        """Start taking the core's outputs (a no-op when already started); `on_loop`: on the
+        running event loop, when it is the only one that will use this AsyncLLM (the server)."""
+        self.client.start(on_loop)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        # Queued offload writes reach disk/Redis and the disk tier's directory lock is released.
-        self.engine.close()
+        """Stop the core; its tiers write their cached blocks down (disk / Redis) before it ends."""
+        self.client.shutdown(timeout)
 
     def begin_shutdown(self, drain_seconds: float) -> None:
         """The server got SIGTERM / SIGINT (vLLM's --shutdown-timeout): refuse new requests from
@@ -197,18 +219,13 @@ class AsyncLLM:
         self._closing = True
 
         def end_the_rest() -> None:
-            ids = list(self._streams)
-            if ids:
+            with self._lock:
+                streams, self._streams = self._streams, {}
+            if streams:
                 logger.warning("shutdown: ending %d requests still in flight after %.0f s (--shutdown-timeout)",
-                               len(ids), drain_seconds)
-                self._aborted.extend(ids)
-                self._fail_all(EngineDeadError("the server is shutting down"))
-                self._ended.extend((out, "shutdown") for out in self.engine.abort_request(ids))
-
-        def when_due() -> None:
-            with self._cv:
-                self._commands.append(end_the_rest)
-                self._cv.notify()
+                               len(streams), drain_seconds)
+                _deliver([(s, EngineDeadError("the server is shutting down")) for s in streams.values()])
+                self.client.send((ABORT, list(streams), ABORT_SHUTDOWN))
 
         n = len(self._streams)
         if not n:
@@ -217,58 +234,49 @@ class AsyncLLM:
             logger.info("shutdown: waiting up to %.0f s for %d requests in flight", drain_seconds, n)
         else:
             logger.info("shutdown: ending %d requests in flight", n)
-        timer = threading.Timer(drain_seconds, when_due)
+        timer = threading.Timer(drain_seconds, end_the_rest)
         timer.daemon = True
         timer.start()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stop
+        return self._dead is None and self.client.is_alive
 
-    # ----- commands run on the engine thread -----
+    def _why_not_running(self) -> str:
+        return self._dead or getattr(self.client, "exit_reason", None) or "the engine loop is not running"
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run fn(engine-side) between two steps; the future carries its result or exception."""
+    # ----- messages to the core -----
+
+    def call(self, fn: str | Callable[[], Any], *args) -> concurrent.futures.Future:
+        """Run an engine method by name (or, with the core on a thread here, any callable) between
+        two steps; the future carries its result or exception."""
+        self.client.start()  # a no-op once started (the server starts it on its event loop)
         if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
+            raise EngineDeadError(self._why_not_running())
+        if callable(fn) and self.engine is None:
+            raise TypeError("only named engine methods reach an engine core in another process")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def command() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # handed to the caller, never kills the loop
-                fut.set_exception(e)
-
-        with self._cv:
-            self._commands.append(command)
-            self._cv.notify()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._calls[call_id] = fut
+        self.client.send((CALL, call_id, fn, args))
         return fut
 
-    async def acall(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.call(fn))
+    async def acall(self, fn: str | Callable[[], Any], *args) -> Any:
+        return await asyncio.wrap_future(self.call(fn, *args))
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.acall(self.engine.reset_prefix_cache)
+        return await self.acall("reset_prefix_cache")
 
     async def get_stats(self):
-        return await self.acall(self.engine.get_stats)
+        return await self.acall("get_stats")
 
     def abort(self, request_id: str) -> None:
         """Fire-and-forget abort; safe from any thread, and a no-op for finished requests."""
-        if not self.is_running:
-            return
-
-        def do_abort() -> None:
-            if self._streams.pop(request_id, None) is not None:
-                self._aborted.append(request_id)
-                logger.info("Aborted request %s.", request_id)  # vLLM's line: a client left before the end
-            self._ended.extend((out, "client") for out in self.engine.abort_request([request_id]))
-
-        with self._cv:
-            self._commands.append(do_abort)
-            self._cv.notify()
+        with self._lock:
+            live = self._streams.pop(request_id, None) is not None
+        if live and self.is_running:
+            self.client.send((ABORT, [request_id], ABORT_CLIENT))
 
     async def add_request(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
                           cache_salt: str | None = None, final_only: bool = False) -> "RequestStream":
@@ -279,27 +287,38 @@ class AsyncLLM:
         """
         if self._closing:
             raise EngineDeadError("the server is shutting down")
+        self.client.start()  # a no-op once started (the server starts it on its event loop)
+        if not self.is_running:
+            raise EngineDeadError(self._why_not_running())
         stream = RequestStream(self, request_id, asyncio.get_running_loop(), final_only,
                                mergeable=params.output_kind == RequestOutputKind.CUMULATIVE)
-
-        def add() -> None:
-            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
-            self._streams[request_id] = stream._sink
-
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+            self._streams[request_id] = stream._sink  # before the core can answer: no output is missed
+            self._calls[call_id] = fut
         self._adding += 1
         try:
-            await self.acall(add)
+            self.client.send((ADD, call_id, request_id, prompt, params, priority, cache_salt))
+            await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still run; this abort is queued after it
+            raise
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
             raise
         finally:
             self._adding -= 1
         return stream
 
     def num_queued(self) -> int:
-        """Requests waiting to be scheduled, and those on their way in (callable from any thread:
-        a length read of the scheduler's queue, exact between steps)."""
-        return len(self.engine.scheduler.waiting) + self._adding
+        """Requests waiting to be scheduled, as of the core's last iteration, and those on their
+        way in (callable from any thread)."""
+        s = self.latest_stats
+        return (s.num_waiting if s is not None else 0) + self._adding
 
     async def generate(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator:
@@ -312,79 +331,49 @@ class AsyncLLM:
         async for out in stream:
             yield out
 
-    # ----- the loop -----
+    # ----- what the core sends back (on the client's thread) -----
 
-    def _run(self) -> None:
-        logger.info("engine loop started")
-        while True:
-            with self._cv:
-                while not self._stop and not self._commands and not self.engine.has_unfinished_requests():
-                    self._cv.wait()
-                if self._stop:
-                    break
-                commands = list(self._commands)
-                self._commands.clear()
-            for command in commands:
-                command()
-            outputs: list = []
-            progress: list = []
-            if self.engine.has_unfinished_requests():
-                started = time.monotonic()
-                outputs = self._step()
-                progress = self.engine.last_step_progress
-                if not outputs and time.monotonic() - started < 1e-3:
-                    # Nothing could be scheduled (no forward ran): back off briefly instead of
-                    # spinning, which would starve the event loop of the GIL.
-                    with self._cv:
-                        if not self._commands:
-                            self._cv.wait(0.005)
-            self._publish(outputs, progress)
-        self._fail_all(EngineDeadError("the server is shutting down"))
-        logger.info("engine loop stopped")
-
-    def _step(self) -> list:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            # The batch's state is unknown: fail and abort everything in flight, keep serving.
-            self.num_step_errors += 1
-            logger.exception("engine step failed; aborting %d in-flight requests", len(self._streams))
-            ids = list(self._streams)
-            self._aborted.extend(ids)
-            self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
-            try:
-                self._ended.extend((out, "error") for out in self.engine.abort_request(ids))
-            except Exception:
-                logger.exception("abort after a failed step also failed")
-            return []
-        deliveries = []
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted by its client in the meantime
-            if out.finished:
-                del self._streams[out.request_id]
-            elif stream.final_only:
-                continue
-            deliveries.append((stream, out))
+    def _on_batch(self, batch: CoreBatch) -> None:
+        if batch.stats is not None:  # first: whoever an output wakes sees the state that produced it
+            self.latest_stats = batch.stats
+        self.num_step_errors = batch.num_step_errors
+        with self._lock:
+            replies = [(self._calls.pop(call_id, None), ok, value) for call_id, ok, value in batch.replies]
+            failed = []
+            if batch.failed:
+                failed = [s for s in (self._streams.pop(rid, None) for rid in batch.failed[0]) if s is not None]
+            deliveries = []
+            for out in batch.outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted by its client in the meantime
+                if out.finished:
+                    del self._streams[out.request_id]
+                elif stream.final_only:
+                    continue
+                deliveries.append((stream, out))
+        for fut, ok, value in replies:
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_result(value) if ok else fut.set_exception(value)
+        if failed:
+            error = EngineStepError(batch.failed[1])
+            deliveries.extend((s, error) for s in failed)
         _deliver(deliveries)
-        return outputs
-
-    def _fail_all(self, error: BaseException) -> None:
-        streams, self._streams = self._streams, {}
-        _deliver([(stream, error) for stream in streams.values()])
-
-    def _publish(self, outputs: list, progress: list) -> None:
-        try:
-            self.latest_stats = self.engine.get_stats()
-        except Exception:
-            logger.exception("get_stats failed")
-            return
-        event = StepEvent(self.latest_stats, outputs, self._aborted, time.monotonic(), self.num_step_errors,
-                          progress, self._ended)
-        self._aborted, self._ended = [], []
+        event = StepEvent(self.latest_stats, batch.outputs, batch.aborted, batch.now, batch.num_step_errors,
+                          batch.progress, batch.ended)
         for listener in self.step_listeners:
             try:
                 listener(event)
             except Exception:
                 logger.exception("step listener %r failed", listener)
+
+    def _on_dead(self, reason: str) -> None:
+        self._dead = reason
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
+        error = EngineDeadError(reason)
+        _deliver([(s, error) for s in streams.values()])
+        for fut in calls.values():
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)

@@ -6,9 +6,16 @@ drop a leading space at the start of a decode (so a few prompt tokens are kept a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 _CONTEXT_TOKENS = 5
+
+
+def token_text_cache(tokenizer) -> Callable[[int], str]:
+    """A token's own text (logprobs' decoded_token, /tokenize's token strings), memoized."""
+    return functools.lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
 
 
 @dataclass

@@ -11,7 +11,6 @@ with that seed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import numbers
 import os
@@ -24,7 +23,7 @@ from kvserve.cache.offload import build_kv_tiers
 from kvserve.config import ConfigError, EngineArgs, SchedulerConfig
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.detokenizer import IncrementalDetokenizer, token_text_cache
 from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError, RequestMetrics, RequestOutput,
                                     RequestProgress)
 from kvserve.kv.manager import KVCacheManager
@@ -86,6 +85,7 @@ class _Group:
     seqs: list[_Sequence]
     arrival_time: float
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    prompt_logprobs_sent: bool = False  # send_deltas: the complete prompt logprobs went out once
 
 
 class LLMEngine:
@@ -100,9 +100,7 @@ class LLMEngine:
         self.max_model_len = setup.max_model_len
         self.sampling_defaults = self._sampling_defaults(args)
         # A token's own text: logprobs' decoded_token, the server's /tokenize token strings.
-        tokenizer = self.tokenizer  # not self: no reference cycle through the cache
-        self.token_text = functools.lru_cache(maxsize=65536)(
-            lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        self.token_text = token_text_cache(self.tokenizer)
         self.kv_tiers, self.kv_offloader = None, None
         if args.has_kv_tiers:
             if setup.fingerprint is None:
@@ -125,6 +123,11 @@ class LLMEngine:
         self.last_step_tokens = 0
         # The requests the last step gave tokens to, outputs or not (server metrics read it).
         self.last_step_progress: list[RequestProgress] = []
+        # Outputs carry only what is new (delta fields; no prompt, no cumulative text or ids):
+        # the engine core process sends these, and the front end, which knows each request's
+        # prompt, rebuilds the cumulative outputs (engine/core_client.py). Saves copying every
+        # request's whole output into every step's message.
+        self.send_deltas = False
 
     def _sampling_defaults(self, args: EngineArgs) -> dict:
         """The generation_config.json sampling values: the model's (--generation-config auto), a
@@ -401,16 +404,17 @@ class LLMEngine:
         outputs = []
         # DELTA (vLLM's): text, token_ids and logprobs hold only what is new since the last output.
         delta_kind = group.output_kind == RequestOutputKind.DELTA
+        deltas_only = self.send_deltas
         for s in group.seqs:
             r = s.req
             finished = r.is_finished
             delta = s.detok.take_delta(finished)
             with_lp = s.logprobs is not None
             outputs.append(CompletionOutput(
-                index=s.index, text=delta if delta_kind else s.detok.emitted_text,
-                token_ids=list(s.new_token_ids) if delta_kind else list(r.output_token_ids),
+                index=s.index, text=None if deltas_only else delta if delta_kind else s.detok.emitted_text,
+                token_ids=None if deltas_only else list(s.new_token_ids) if delta_kind else list(r.output_token_ids),
                 cumulative_logprob=s.cumulative_logprob if with_lp else None,
-                logprobs=(list(s.new_logprobs) if delta_kind else s.logprobs) if with_lp else None,
+                logprobs=None if deltas_only or not with_lp else list(s.new_logprobs) if delta_kind else list(s.logprobs),
                 finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
                 delta_text=delta, delta_token_ids=s.new_token_ids,
                 delta_logprobs=s.new_logprobs if with_lp else None))
@@ -437,6 +441,13 @@ class LLMEngine:
         prompt_lps = first_seq.prompt_logprobs
         if prompt_lps is not None and first_seq.prompt_scored < len(prompt_lps) - 1:
             prompt_lps = None  # still being computed (an abort mid-prefill ends here too)
+        if deltas_only:
+            if group.prompt_logprobs_sent:
+                prompt_lps = None  # sent once, the first time complete
+            elif prompt_lps is not None:
+                group.prompt_logprobs_sent = True
+            return RequestOutput(group.request_id, None, None, outputs, done, metrics.num_cached_tokens, metrics,
+                                 prompt_logprobs=prompt_lps)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, done,
                              metrics.num_cached_tokens, metrics, prompt_logprobs=prompt_lps)
 

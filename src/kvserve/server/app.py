@@ -216,7 +216,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        llm.start()
+        llm.start(on_loop=True)
         yield
         llm.shutdown()
 
@@ -307,7 +307,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
 
     @app.get("/v1/models", response_model=P.ModelList, dependencies=[Depends(tenant)])
     async def models():
-        return P.ModelList(data=[P.ModelCard(id=name, root=llm.engine.args.model or "SmolLM2-135M-Instruct",
+        return P.ModelList(data=[P.ModelCard(id=name, root=llm.args.model or "SmolLM2-135M-Instruct",
                                              max_model_len=llm.max_model_len)
                                  for name in config.served_model_names])
 
