@@ -126,6 +126,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["type"] = _vllm_int(auto=f.name == "max_model_len")
         elif f.name in ("override_generation_config", "speculative_config"):
             kwargs["type"] = _json_object
+        elif f.name == "kv_events_config":
+            kwargs["type"] = str  # parsed by EngineArgs.validate, whose errors name the key
         elif f.name == "served_model_name":
             kwargs["nargs"] = "+"
         else:

@@ -5,6 +5,7 @@ the same names as keyword arguments. Nothing else configures the engine.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -214,6 +215,63 @@ def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | No
     return SpeculativeConfig(method, k, lo, hi)
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """--kv-events-config, parsed: vLLM's KVEventsConfig keys and defaults."""
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" when events are enabled and no publisher is named
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def publishing(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+def parse_kv_events_config(value: dict | str | None) -> KVEventsConfig | None:
+    """vLLM's --kv-events-config (a JSON object or a dict) -> KVEventsConfig; None when unset."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--kv-events-config is not valid JSON ({e}); give an object such as "
+                              f'\'{{"enable_kv_cache_events": true, "publisher": "zmq", '
+                              f'"endpoint": "tcp://*:5557"}}\'') from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--kv-events-config must be a JSON object, got {value!r}")
+    fields_ = {f.name: f for f in dataclasses.fields(KVEventsConfig)}
+    unknown = sorted(set(value) - set(fields_))
+    if unknown:
+        raise ConfigError(f"--kv-events-config: unknown key {', '.join(unknown)}; the keys are "
+                          f"{', '.join(fields_)} (vLLM's KVEventsConfig)")
+    types = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "replay_endpoint": (str, type(None)),
+             "buffer_steps": int, "hwm": int, "max_queue_size": int, "topic": str}
+    for key, v in value.items():
+        ok = isinstance(v, types[key]) and not (types[key] is int and isinstance(v, bool))
+        if not ok or (types[key] is int and v < 1):
+            want = {bool: "true or false", str: "a string", int: "an integer >= 1"}.get(types[key], "a string or null")
+            raise ConfigError(f"--kv-events-config {key} must be {want}, got {v!r}")
+    enabled = value.get("enable_kv_cache_events", False)
+    publisher = value.get("publisher") or ("zmq" if enabled else "null")
+    if publisher not in KV_EVENT_PUBLISHERS:
+        raise ConfigError(f"--kv-events-config publisher {publisher!r} is not one of {', '.join(KV_EVENT_PUBLISHERS)}")
+    for key in ("endpoint", "replay_endpoint"):
+        ep = value.get(key)
+        if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"--kv-events-config {key} {ep!r} is not a ZMQ endpoint; use tcp://HOST:PORT "
+                              f"(tcp://*:5557 binds every interface) or ipc://PATH")
+    return KVEventsConfig(**{**value, "publisher": publisher})
+
+
 QUANTIZATIONS = (None, "gguf", "none")
 
 
@@ -291,6 +349,10 @@ class EngineArgs:
         None, "JSON object, vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 3}' guesses a greedy request's next tokens from its own history and keeps "
               "those the model agrees with (ngram is the method implemented)", "Scheduler")
+    kv_events_config: dict | str | None = _arg(
+        None, "JSON object, vLLM's KVEventsConfig: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+              "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
+              "publishes every block the cache stores and drops, in every tier, for a KV-aware router", "KV cache")
     # Kernels
     attention_backend: str = _arg("auto", "attention kernels: torch (the CPU kernels, SDPA elsewhere) or "
                                           "triton (CUDA); auto: triton on CUDA when installed", "Kernels",
@@ -306,6 +368,11 @@ class EngineArgs:
     check_integrity: bool = _arg(False, "verify block accounting after every step (slow; debugging)",
                                  "Logging and debugging")
     disable_log_stats: bool = _arg(False, "no periodic stats log line", "Logging and debugging")
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed --kv-events-config, or None."""
+        return parse_kv_events_config(self.kv_events_config)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -365,6 +432,7 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB (got {self.swap_space})")
         self.speculative  # raises ConfigError on a malformed --speculative-config
+        self.kv_events  # and on a malformed --kv-events-config
         self._validate_tiers()
 
     def _validate_tiers(self) -> None:

@@ -114,8 +114,8 @@ class KVOffloader:
                     host.put_held(o.key, payload)  # a failure here costs the resume a recompute
                     continue
                 if host is not None:
-                    host.put(o.key, payload)
-                if writer is not None and writer.submit(o.key, payload):
+                    host.put(o.key, payload, o.token_ids)
+                if writer is not None and writer.submit(o.key, payload, o.token_ids):
                     self._remember(o.key)
                 chain.stats.offloaded_blocks += 1
         chain.settle_held()
@@ -138,7 +138,7 @@ class KVOffloader:
             data = self.kv_cache.read_blocks(torch.tensor([b.block_id for b in part]))
             for j, b in enumerate(part):
                 payload = self._payload(data, j, b.token_ids)
-                while not writer.submit(b.key, payload):  # queue full: let it drain
+                while not writer.submit(b.key, payload, b.token_ids):  # queue full: let it drain
                     left = deadline - time.monotonic()
                     if left <= 0 or not writer.flush(left):
                         logger.warning("shutdown: %d of %d cached blocks not written to the lower KV tiers "

@@ -34,11 +34,20 @@ class CoreBatch:
     ended: list = field(default_factory=list)  # (last RequestOutput, reason) of requests ended unfinished
     # A failed step: (request ids it failed, message); those requests are already aborted.
     failed: tuple[list[str], str] | None = None
+    kv_events: list = field(default_factory=list)  # KV events, when the front end routes by them
 
 
 class EngineCore:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, data_parallel_rank: int = 0, forward_kv_events: bool = False) -> None:
+        """`forward_kv_events`: each batch carries the step's KV events (a data-parallel front end
+        routes by them); with --kv-events-config's zmq publisher they are also published here."""
         self.engine = engine
+        self.forward_kv_events = forward_kv_events
+        self.publisher = None
+        config = engine.args.kv_events
+        if config is not None and config.publishing:
+            from kvserve.engine.kv_events import ZmqEventPublisher
+            self.publisher = ZmqEventPublisher(config, data_parallel_rank)
         self.num_step_errors = 0
         self._live: set[str] = set()  # requests admitted and not yet finished or aborted
         self._replies: list = []
@@ -79,6 +88,11 @@ class EngineCore:
                     logger.info("Aborted request %s.", rid)  # vLLM's line: a client left before the end
         self._ended.extend((out, reason) for out in self.engine.abort_request(request_ids))
 
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(self.engine.take_kv_events())  # the shutdown's write-back included
+            self.publisher.close()
+
     @property
     def has_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -94,8 +108,11 @@ class EngineCore:
         except Exception:
             logger.exception("get_stats failed")
             stats = None
+        events = self.engine.take_kv_events()
+        if self.publisher is not None:
+            self.publisher.publish(events)
         batch = CoreBatch(outputs, progress, stats, time.monotonic(), self.num_step_errors, self._replies,
-                          self._aborted, self._ended, self._failed)
+                          self._aborted, self._ended, self._failed, events if self.forward_kv_events else [])
         self._replies, self._aborted, self._ended, self._failed = [], [], [], None
         return batch
 

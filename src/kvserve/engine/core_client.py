@@ -74,6 +74,7 @@ class InprocClient:
             self.thread.join(timeout)
         # Queued offload writes reach disk/Redis and the disk tier's directory lock is released.
         self.engine.close()
+        self.core.close()
 
     def run(self) -> None:
         logger.info("engine loop started")

@@ -64,6 +64,7 @@ def main(args, in_addr: str, out_addr: str, log_level: int, log_format: str | No
         _loop(core, inbox, outbox, parent_pid, SHUTDOWN)
     finally:
         engine.close()  # the tiers' write-back, and the disk tier's lock
+        core.close()
         inbox.close(linger=0)
         outbox.close()
         ctx.term()

@@ -26,6 +26,7 @@ from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, Samp
 from kvserve.engine.detokenizer import IncrementalDetokenizer, token_text_cache
 from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError, RequestMetrics, RequestOutput,
                                     RequestProgress)
+from kvserve.kv.events import KVEventSink
 from kvserve.kv.manager import KVCacheManager
 from kvserve.runner.build import EngineSetup, build_engine_parts
 from kvserve.sched.scheduler import Scheduler
@@ -107,8 +108,14 @@ class LLMEngine:
                 raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
                                   "build_engine_parts, or set EngineSetup.fingerprint")
             self.kv_tiers, self.kv_offloader = build_kv_tiers(args, setup.fingerprint, self.runner.kv_cache)
+        # KV events (--kv-events-config): every block stored in and dropped from each tier.
+        events = args.kv_events
+        self.kv_events = KVEventSink() if events is not None and events.enable_kv_cache_events else None
+        if self.kv_events is not None and self.kv_tiers is not None:
+            for tier in self.kv_tiers.tiers:
+                tier.events, tier.block_size = self.kv_events, args.block_size
         self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
-                                 args.kv_cache_dtype, tiers=self.kv_tiers)
+                                 args.kv_cache_dtype, tiers=self.kv_tiers, events=self.kv_events)
         if self.kv_tiers is not None:
             # close(), or an engine dropped without it (garbage collection, interpreter exit):
             # the pool's cached blocks go down too, the writer drains, the directory unlocks.
@@ -273,6 +280,10 @@ class LLMEngine:
                     self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
             ended.append(self._make_output(group))  # every sequence finished: the group leaves
         return ended
+
+    def take_kv_events(self) -> list:
+        """The KV events since the last call, oldest first (empty when they are off)."""
+        return self.kv_events.drain() if self.kv_events is not None else []
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

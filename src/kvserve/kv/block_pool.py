@@ -18,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from kvserve.kv.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
+
 
 @dataclass(eq=False)
 class Block:
@@ -39,7 +41,7 @@ class Block:
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int,
-                 on_evict: Callable[[Block], None] | None = None) -> None:
+                 on_evict: Callable[[Block], None] | None = None, events: KVEventSink | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -54,6 +56,7 @@ class BlockPool:
         self.num_filled_used = 0
         self.num_evictions = 0
         self.on_evict = on_evict  # called before a cached block's content is dropped (offload tiers)
+        self.events = events  # BlockStored / BlockRemoved / AllBlocksCleared, medium "GPU"
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -118,11 +121,16 @@ class BlockPool:
             self.children.setdefault(parent_hash, {})[block.block_id] = block
         block.token_ids = token_ids
 
-    def cache_full_block(self, block: Block, block_hash: bytes) -> None:
+    def cache_full_block(self, block: Block, block_hash: bytes, parent_hash: bytes | None = None) -> None:
+        """Index a full block under its chain hash; `parent_hash` (None for a sequence's first
+        block) is for the KV events only."""
         existing = self.cached.get(block_hash)
         if existing is None:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if self.events is not None:
+                self.events.add(BlockStored([block_hash], parent_hash, list(block.token_ids), self.block_size,
+                                            None, MEDIUM_DEVICE))
         elif existing is not block:
             # Computed twice concurrently: keep the first copy in the index; this one is just
             # private memory of its request and leaves the partial index too.
@@ -140,15 +148,19 @@ class BlockPool:
             return False
         for block in self.blocks:
             if block.has_content:
-                self._drop_content(block)
+                self._drop_content(block, quiet=True)  # one AllBlocksCleared says it
         self.num_cached_free = 0
+        if self.events is not None:
+            self.events.add(AllBlocksCleared(MEDIUM_DEVICE))
         # Restore the plain id order so a reset pool behaves like a new one.
         self.free_queue = OrderedDict((b.block_id, b) for b in self.blocks)
         return True
 
-    def _drop_content(self, block: Block) -> None:
+    def _drop_content(self, block: Block, quiet: bool = False) -> None:
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.events is not None and not quiet:
+                self.events.add(BlockRemoved([block.block_hash], MEDIUM_DEVICE))
         if block.parent_hash is not None:
             siblings = self.children.get(block.parent_hash)
             if siblings is not None:

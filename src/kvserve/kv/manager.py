@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 from kvserve.core.request import Request
 from kvserve.core.step import BlockCopy, BlockOffload, BlockRestore
 from kvserve.kv.block_pool import Block, BlockPool
+from kvserve.kv.events import KVEventSink
 from kvserve.kv.hashing import extend_block_hashes, root_hash
 
 if TYPE_CHECKING:
@@ -69,14 +70,15 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  kv_cache_dtype: str = "auto",
                  on_evict: Callable[[Block], None] | None = None,
-                 tiers: "TierChain | None" = None) -> None:
+                 tiers: "TierChain | None" = None, events: KVEventSink | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.kv_cache_dtype = kv_cache_dtype
         self.tiers = tiers
         self._user_on_evict = on_evict
         offload = tiers is not None and enable_caching and bool(tiers.tiers)
-        self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict if offload else on_evict)
+        self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict if offload else on_evict,
+                              events=events if enable_caching else None)
         self.req_blocks: dict[str, list[Block]] = {}
         # Each request's block ids, extended as its blocks are (a request's blocks are only ever
         # appended, and dropped all at once): block_table() copies a list of ints instead of
@@ -328,7 +330,7 @@ class KVCacheManager:
                 continue  # a shared cached block: already complete
             self.pool.record_tokens(block, hashes[i - 1] if i else root, tokens[lo:hi])
             if hi - lo == bs:
-                self.pool.cache_full_block(block, hashes[i])
+                self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else None)
         self._committed[req.request_id] = end
 
     def free(self, req: Request) -> None:

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
+from kvserve.kv.events import BlockRemoved, BlockStored, KVEventSink
+
 logger = logging.getLogger(__name__)
 
 # Anything with the buffer protocol; tiers hand back zero-copy views where they can.
@@ -174,6 +176,8 @@ class KVTier(ABC):
     the engine thread gets. Entries are content-addressed, so re-putting a present key is a no-op."""
 
     name = "tier"
+    medium = "STORAGE"  # its KV events' `medium` (kv/events.py)
+    HASH_LEN = 32  # a block chain hash (SHA-256); other keys (swap entries) are one request's own
 
     def __init__(self, fingerprint: EngineFingerprint, *, verify_checksums: bool = True):
         self.fingerprint = fingerprint
@@ -185,11 +189,25 @@ class KVTier(ABC):
         # Told the keys of entries lost behind the tier's back (a disk directory removed), so
         # that whoever remembers them as stored here writes them again; set by TierChain.
         self.on_lost: Callable[[list[bytes]], None] | None = None
+        # KV events (--kv-events-config): block chain hashes stored and removed here.
+        self.events: KVEventSink | None = None
+        self.block_size = 0
 
     # ---- public API: never raises on backend failure ----
-    def put(self, key: bytes, payload: Buffer) -> bool:
-        """Store `payload` under `key`; False when it was not stored (too large, backend failure)."""
-        return self._put(key, payload)
+    def put(self, key: bytes, payload: Buffer, token_ids: Sequence[int] = ()) -> bool:
+        """Store `payload` under `key`; False when it was not stored (too large, backend failure).
+        `token_ids`, the block's tokens, are for the KV events only."""
+        stored = self._put(key, payload)
+        if stored and self.events is not None and len(key) == self.HASH_LEN:
+            self.events.add(BlockStored([key], None, list(token_ids), self.block_size, None, self.medium))
+        return stored
+
+    def _removed(self, keys: Sequence[bytes]) -> None:
+        """Entries this tier dropped (evicted, deleted): a BlockRemoved for the block hashes."""
+        if self.events is not None:
+            hashes = [k for k in keys if len(k) == self.HASH_LEN]
+            if hashes:
+                self.events.add(BlockRemoved(hashes, self.medium))
 
     def get(self, key: bytes) -> memoryview | None:
         """The payload stored under `key`, or None (absent, corrupt, incompatible, backend down)."""
@@ -226,11 +244,14 @@ class KVTier(ABC):
     def delete(self, key: bytes) -> bool:
         _check_key(key)
         try:
-            return self._delete(key)
+            deleted = self._delete(key)
         except Exception as exc:
             self._count(errors=1)
             self._log_once("delete", f"{self.name} tier: delete failed ({exc!r})")
             return False
+        if deleted:
+            self._removed([key])
+        return deleted
 
     def usage(self) -> TierUsage:
         return self._usage()

@@ -33,6 +33,7 @@ _LOCK_NAME = ".lock"
 
 class DiskTier(KVTier):
     name = "disk"
+    medium = "STORAGE"
 
     def __init__(self, fingerprint: EngineFingerprint, path: str | os.PathLike, capacity_bytes: int):
         if capacity_bytes <= 0:
@@ -108,6 +109,9 @@ class DiskTier(KVTier):
     def file_name(self, key: bytes) -> str:
         return f"{self._prefix}{key.hex()}{SUFFIX}"
 
+    def _key_of(self, name: str) -> bytes:
+        return bytes.fromhex(name[len(self._prefix):-len(SUFFIX)])
+
     def _evict_locked(self, incoming: int) -> list[str]:
         victims = []
         while self._lru and self._used + incoming > self.capacity_bytes:
@@ -134,6 +138,7 @@ class DiskTier(KVTier):
             _unlink(os.path.join(self.path, victim))
         if victims:
             self._count(evictions=len(victims))
+            self._removed([self._key_of(v) for v in victims])
         if not fits:
             return False
         final = os.path.join(self.path, name)

@@ -23,6 +23,7 @@ from kvserve.kv.tiers.base import Buffer, EngineFingerprint, KVTier, TierUsage
 
 class HostTier(KVTier):
     name = "host"
+    medium = "CPU"
 
     def __init__(self, fingerprint: EngineFingerprint, capacity_bytes: int, *,
                  allocate: Callable[[int], np.ndarray] | None = None, verify_checksums: bool = False):
@@ -76,18 +77,20 @@ class HostTier(KVTier):
                 return True
             if size > self.capacity_bytes - self._held_bytes:
                 return False
-            evicted = 0
+            evicted: list[bytes] = []
             while self._used + size > self.capacity_bytes:
                 if not self._lru:  # the rest is held or reserved by puts in flight
-                    self._count(evictions=evicted)
+                    self._count(evictions=len(evicted))
+                    self._removed(evicted)
                     return False
-                _, victim = self._lru.popitem(last=False)
+                victim_key, victim = self._lru.popitem(last=False)
                 self._used -= victim.nbytes
-                evicted += 1
+                evicted.append(victim_key)
             # Reserve the bytes now so a concurrent put cannot overcommit while we copy.
             self._used += size
         if evicted:
-            self._count(evictions=evicted)
+            self._count(evictions=len(evicted))
+            self._removed(evicted)
         try:
             entry = self._allocate(size)
             entry[:len(header)] = np.frombuffer(header, dtype=np.uint8)

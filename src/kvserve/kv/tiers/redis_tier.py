@@ -42,6 +42,7 @@ _UNAVAILABLE = _Unavailable()
 
 class RedisTier(KVTier):
     name = "redis"
+    medium = "REDIS"  # Redis's own maxmemory evictions are not seen here: only this side's deletes
 
     def __init__(self, fingerprint: EngineFingerprint, url: str, *, socket_timeout: float = 0.25,
                  ttl_seconds: float | None = None, key_prefix: bytes = b"kvserve:",

@@ -39,6 +39,7 @@ class AsyncWriter:
         self.tiers = list(tiers)
         self.max_queue_bytes = max_queue_bytes
         self._queue: OrderedDict[bytes, Buffer] = OrderedDict()  # FIFO, and key -> payload for reads
+        self._tokens: dict[bytes, Sequence[int]] = {}  # queued blocks' token ids, for KV events
         self._in_flight: tuple[bytes, Buffer] | None = None
         self._cond = threading.Condition()
         self._stats = WriterStats()
@@ -48,8 +49,9 @@ class AsyncWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, key: bytes, payload: Buffer) -> bool:
-        """Queue a block for writing; False (and counted) when the queue is full or closed."""
+    def submit(self, key: bytes, payload: Buffer, token_ids: Sequence[int] = ()) -> bool:
+        """Queue a block for writing; False (and counted) when the queue is full or closed.
+        `token_ids` go to the tiers' KV events."""
         size = memoryview(payload).nbytes
         with self._cond:
             if key in self._queue or (self._in_flight is not None and self._in_flight[0] == key):
@@ -58,6 +60,8 @@ class AsyncWriter:
                 self._stats.dropped += 1
                 return False
             self._queue[key] = payload
+            if token_ids:
+                self._tokens[key] = token_ids
             self._stats.submitted += 1
             self._stats.queued += 1
             self._stats.queued_bytes += size
@@ -89,6 +93,7 @@ class AsyncWriter:
                 self._stats.dropped += len(self._queue)
                 self._stats.queued = self._stats.queued_bytes = 0
                 self._queue.clear()
+                self._tokens.clear()
             self._cond.notify_all()
         self._thread.join(timeout)
 
@@ -99,12 +104,13 @@ class AsyncWriter:
                 if not self._queue:
                     return  # closed and drained
                 key, payload = self._queue.popitem(last=False)
+                token_ids = self._tokens.pop(key, ())
                 self._in_flight = (key, payload)
                 self._stats.queued -= 1
                 self._stats.queued_bytes -= memoryview(payload).nbytes
             for tier in self.tiers:
                 try:
-                    stored = tier.put(key, payload)
+                    stored = tier.put(key, payload, token_ids)
                 except Exception:  # tiers do not raise on backend faults; this is a bug, keep writing
                     logger.exception("KV tier writer: %s tier raised on put", tier.name)
                     stored = False
