@@ -289,6 +289,11 @@ class EngineArgs:
         None, "JSON object, vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 3}' guesses a greedy request's next tokens from its own history and keeps "
               "those the model agrees with (ngram is the method implemented)", "Scheduler")
+    kv_compression: dict | str | None = _arg(
+        None, "JSON object: the KV compression of requests that set no kv_compression of their own, e.g. "
+              "'{\"method\": \"streaming\", \"sink_tokens\": 4, \"window\": 1024}' (attention sinks + recent "
+              "window) or '{\"method\": \"h2o\", \"heavy_tokens\": 512, \"window\": 512}'; a request opts out "
+              "with {\"method\": \"none\"} (docs/long-context.md)", "Scheduler")
     # Kernels
     attention_backend: str = _arg("auto", "attention kernels: torch (the CPU kernels, SDPA elsewhere) or "
                                           "triton (CUDA); auto: triton on CUDA when installed", "Kernels",

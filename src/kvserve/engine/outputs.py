@@ -41,6 +41,9 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: SampleLogprobs | None = None
+    # With kv_compression: the tokens whose KV the sequence still held at its last step, what
+    # attention covered once compression was in force (None without compression).
+    num_attended_tokens: int | None = None
 
     def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
