@@ -190,3 +190,32 @@ def test_compression_refused_where_it_cannot_run(llm, swa):
     with pytest.raises(RequestError) as e:
         swa_llm.engine.add_request("w", [1, 2, 3], greedy(4, kv_compression={"method": "streaming", "window": 64}))
     assert e.value.param == "kv_compression" and "sliding" in str(e.value)
+
+
+def test_released_blocks_reach_the_metrics(llm):
+    from prometheus_client import generate_latest
+    from server_util import parse_metrics
+
+    from kvserve.server.metrics import ServerMetrics
+    vocab = llm.engine.model_config.vocab_size
+    run_steps(llm, rand_prompts(13, [30], vocab), [greedy(60, kv_compression={"method": "streaming", "window": 16})])
+    stats = llm.engine.get_stats()
+    assert stats.kv_released_blocks["streaming"] >= 3
+    m = ServerMetrics("m", 512)
+    m.observe_stats(stats)
+    s = parse_metrics(generate_latest(m.registry).decode())
+    assert s['kvserve:kv_released_blocks_total{model_name="m",reason="streaming"}'] == stats.kv_released_blocks["streaming"]
+
+
+def test_server_default_and_opt_out(tiny):
+    llm = LLM(tiny, dtype="float32", block_size=BS, kv_cache_memory=8 * 2**20, max_model_len=256,
+              kv_compression='{"method": "streaming", "sink_tokens": 4, "window": 32}')
+    vocab = llm.engine.model_config.vocab_size
+    p = rand_prompts(14, [20], vocab)
+    default, _ = run_steps(llm, p + p, [greedy(60), greedy(60, kv_compression={"method": "none"})])
+    assert default[0].outputs[0].num_attended_tokens is not None
+    assert default[1].outputs[0].num_attended_tokens is None
+    from kvserve.config import ConfigError
+    with pytest.raises(ConfigError, match="kv-compression"):
+        LLM(tiny, dtype="float32", block_size=BS, kv_cache_memory=8 * 2**20, max_model_len=256,
+            kv_compression='{"method": "streaming", "window": 300}')

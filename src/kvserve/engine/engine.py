@@ -496,7 +496,8 @@ class LLMEngine:
             num_swapped_preemptions=self.scheduler.num_swaps, num_steps=self.num_steps,
             last_step_tokens=self.last_step_tokens, spec_decode_num_drafts=self.scheduler.num_drafts,
             spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens)
+            spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens,
+            kv_released_blocks=dict(self.kv.num_released))
         if self.kv_tiers is not None:
             self._tier_stats(stats)
         return stats
