@@ -219,3 +219,27 @@ def test_server_default_and_opt_out(tiny):
     with pytest.raises(ConfigError, match="kv-compression"):
         LLM(tiny, dtype="float32", block_size=BS, kv_cache_memory=8 * 2**20, max_model_len=256,
             kv_compression='{"method": "streaming", "window": 300}')
+
+
+def test_h2o_scores_bound_and_spare_neighbours(llm):
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    comp = {"method": "h2o", "heavy_tokens": 32, "window": 32}
+    prompts = rand_prompts(15, [20, 45, 70], vocab)
+    seen = []
+    add = eng.kv.add_scores
+    eng.kv.add_scores = lambda req, scores: (seen.append((req.num_computed_tokens, sum(scores))), add(req, scores))
+    try:
+        alone, _ = run_steps(llm, prompts[1:], greedy(100))
+        assert not seen  # nobody asked: no scores computed
+        mixed, _ = run_steps(llm, prompts, [greedy(100, kv_compression=comp), greedy(100), greedy(100)])
+    finally:
+        eng.kv.add_scores = add
+    assert [o.outputs[0].token_ids for o in mixed[1:]] == [o.outputs[0].token_ids for o in alone]
+    # every query's softmax sums to 1 in each head of each layer: 4 heads x 3 layers per query
+    heads_layers = eng.model_config.num_attention_heads * eng.model_config.num_hidden_layers
+    assert seen[0] == (20, pytest.approx(20 * heads_layers, rel=1e-4))
+    assert all(s == pytest.approx(heads_layers, rel=1e-4) for _, s in seen[1:]), seen[:8]
+    # 2 heavy blocks + the window's 2-3 blocks (+ the one being written)
+    assert mixed[0].outputs[0].num_attended_tokens <= 32 + 32 + 2 * BS
+    assert eng.kv.num_released["h2o"] > 0

@@ -271,8 +271,9 @@ class Scheduler:
                 touched.append(req)
                 continue
             req.num_computed_tokens += entry.num_new_tokens
-            if result.kv_block_scores:
-                self.kv.add_scores(req, result.kv_block_scores.get(req.request_id, ()))
+            scores = result.kv_block_scores.get(req.request_id) if result.kv_block_scores else None
+            if scores is not None:
+                self.kv.add_scores(req, scores)
             self.kv.commit(req)
             if not entry.sample:
                 continue
