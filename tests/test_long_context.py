@@ -243,3 +243,26 @@ def test_h2o_scores_bound_and_spare_neighbours(llm):
     # 2 heavy blocks + the window's 2-3 blocks (+ the one being written)
     assert mixed[0].outputs[0].num_attended_tokens <= 32 + 32 + 2 * BS
     assert eng.kv.num_released["h2o"] > 0
+
+
+@pytest.mark.needs("avx512_bf16")
+def test_sliding_window_release_changes_nothing_in_bf16_kernels(tmp_path):
+    """The bf16 path (pairs layout, varlen kernel, compiled layer loop) reads a released
+    sequence's shorter table at an offset: the same tokens as with every block kept. Blocks of
+    32 keep the kernel's 32-key chunks on the same keys; with 16, an odd number of released
+    blocks regroups them, which changes float sums, not the keys seen (bench/NOTES.md,
+    "Released blocks leave the block table; the new tokens keep their rotary positions")."""
+    path = str(make_tiny_model(tmp_path, kind="mistral_swa32_d64"))
+    prompts = rand_prompts(16, [10, 70, 130], 49152)
+    runs = []
+    bs = 32
+    for release in (True, False):
+        llm = LLM(path, dtype="bfloat16", block_size=bs, max_num_batched_tokens=32, kv_cache_memory=16 * 2**20,
+                  enable_prefix_caching=False)
+        if not release:
+            llm.engine.kv.sliding_window = None  # keep every block: the kernels mask the window
+        outs, peak = run_steps(llm, prompts, greedy(80))
+        runs.append(([o.outputs[0].token_ids for o in outs], peak, dict(llm.engine.kv.num_released)))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] <= 32 // bs + 1 + 32 // bs < runs[1][1]
+    assert runs[0][2]["sliding_window"] > 0 and not runs[1][2]

@@ -41,6 +41,7 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict]] = {
     "mistral_swa": ("Mistral", dict(sliding_window=16, head_dim=16)),
     # a window of two 16-token blocks: long sequences release blocks as they pass them
     "mistral_swa32": ("Mistral", dict(sliding_window=32, head_dim=16)),
+    "mistral_swa32_d64": ("Mistral", dict(sliding_window=32, head_dim=64)),
     "qwen2_bias": ("Qwen2", dict(num_hidden_layers=2, use_sliding_window=False)),
 }
 TINY_MODEL_KINDS = tuple(TINY_MODEL_SPECS)
