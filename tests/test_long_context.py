@@ -252,7 +252,7 @@ def test_sliding_window_release_changes_nothing_in_bf16_kernels(tmp_path):
     32 keep the kernel's 32-key chunks on the same keys; with 16, an odd number of released
     blocks regroups them, which changes float sums, not the keys seen (bench/NOTES.md,
     "Released blocks leave the block table; the new tokens keep their rotary positions")."""
-    path = str(make_tiny_model(tmp_path, kind="mistral_swa32_d64"))
+    path = str(make_tiny_model(tmp_path, kind="mistral_swa32"))
     prompts = rand_prompts(16, [10, 70, 130], 49152)
     runs = []
     bs = 32
@@ -266,3 +266,96 @@ def test_sliding_window_release_changes_nothing_in_bf16_kernels(tmp_path):
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] <= 32 // bs + 1 + 32 // bs < runs[1][1]
     assert runs[0][2]["sliding_window"] > 0 and not runs[1][2]
+
+
+# -- invariants under random traffic (no torch: the cost-model runner) ----------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvserve.config import SchedulerConfig  # noqa: E402
+from kvserve.core.request import RequestStatus  # noqa: E402
+from kvserve.sched.scheduler import Scheduler  # noqa: E402
+from kvserve.tools.cost_model import CostModelRunner  # noqa: E402
+
+COMPRESSIONS = [None, {"method": "streaming", "sink_tokens": 2, "window": 6},
+                {"method": "h2o", "heavy_tokens": 4, "window": 4}]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("add"), st.lists(st.integers(0, 3), min_size=1, max_size=30), st.integers(1, 30),
+              st.integers(0, 2)),
+    st.tuples(st.just("step")), st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("preempt"), st.integers(0, 50))), min_size=1, max_size=60),
+    num_blocks=st.integers(14, 30), block_size=st.sampled_from([1, 2, 4]), caching=st.booleans(),
+    window=st.sampled_from([None, 3, 8]), chunk=st.integers(1, 24))
+def test_releases_keep_the_pool_consistent(ops, num_blocks, block_size, caching, window, chunk):
+    """Random adds, steps, aborts and preemptions with sliding-window releases or a mix of
+    compressed and plain requests: the pool stays consistent every step and drains to empty."""
+    max_len = min(60, num_blocks * block_size)
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, sliding_window=window)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=chunk, max_model_len=max_len), kv)
+    runner = CostModelRunner(vocab_size=4)
+    live, n = [], 0
+
+    def step():
+        out = sched.schedule()
+        for e in out.scheduled:
+            assert len(e.block_table) * block_size >= e.start_pos - e.num_released_tokens + e.num_new_tokens
+        sched.update_from_output(out, runner.execute(out))
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt, max_tokens, which = op
+            prompt = prompt[:max_len - 1]
+            comp = None if window else COMPRESSIONS[which]
+            rid = str(n)
+            n += 1
+            sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=min(max_tokens, max_len - len(prompt)),
+                                                                  ignore_eos=True, kv_compression=comp)))
+            live.append(rid)
+        elif op[0] == "step":
+            step()
+        elif op[0] == "abort" and live:
+            sched.finish_request(live[op[1] % len(live)], RequestStatus.FINISHED_ABORTED)
+        elif op[0] == "preempt" and live:
+            sched.preempt_request(live[op[1] % len(live)])
+        kv.check_integrity()
+        live = [r for r in live if r in sched.requests]
+    for _ in range(3000):
+        if not sched.has_unfinished_requests():
+            break
+        step()
+        kv.check_integrity()
+    assert not sched.has_unfinished_requests()
+    assert kv.pool.num_used_blocks == 0
+
+
+def test_swap_preemption_beside_released_blocks(tiny):
+    """A sequence missing released blocks resumes by recompute; its plain neighbour swaps and
+    resumes exactly; nothing leaks."""
+    llm = LLM(tiny, dtype="float32", block_size=BS, max_num_batched_tokens=64, kv_cache_memory=8 * 2**20,
+              max_model_len=256, swap_space=0.02)
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    prompts = rand_prompts(17, [40, 40], vocab)
+    (alone,), _ = run_steps(llm, prompts[1:], greedy(60))
+    eng.add_request("c", prompts[0], greedy(60, kv_compression={"method": "streaming", "sink_tokens": 4,
+                                                                "window": 16}))
+    eng.add_request("p", prompts[1], greedy(60))
+    outs = {}
+    for i in range(400):
+        if not eng.has_unfinished_requests():
+            break
+        if i == 30:
+            assert eng.kv.released_tokens(eng.scheduler.requests["c"]) > 0
+            assert eng.scheduler.preempt_request("c") and eng.scheduler.preempt_request("p")
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        eng.kv.check_integrity()
+    assert eng.scheduler.num_swaps == 1 and eng.scheduler.num_preemptions == 2
+    assert outs["p"].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len(outs["c"].outputs[0].token_ids) == 60
+    assert eng.kv.pool.num_used_blocks == 0

@@ -191,7 +191,7 @@ class KVCacheManager:
         for i, block in enumerate(found):
             run = run + 1 if block is not None else 0
             length = i + 1
-            need = self._first_seen_block(length * self.block_size)
+            need = min(self._first_seen_block(length * self.block_size), length - 1)  # hold one at least
             if run >= length - need:
                 best = (length, need)
         length, need = best
