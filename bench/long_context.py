@@ -4,6 +4,7 @@
     python bench/long_context.py perplexity   # SmolLM2 on Python's Functional Programming HOWTO, budgets 256-2048
     python bench/long_context.py needle       # a number hidden at 3 depths of ~4K tokens, asked at the end
     python bench/long_context.py capacity     # concurrent 8K requests in a fixed pool, with and without
+    python bench/long_context.py overhead     # decode-step time of a batch with one compressed request in it
 
 Everything runs through the engine (LLM), so releases happen where they happen in serving. Each
 mode prints a table and writes bench/results/long_context_<mode>.json.
@@ -274,16 +275,51 @@ def mode_capacity(args) -> None:
                             "block_size": BS, "rows": rows})
 
 
+def mode_overhead(args) -> None:
+    """What one compressed request costs the batch it joins: decode-step time of 8 plain requests
+    (SmolLM2, bf16, 512-token prompts) alone, and beside one streaming or one h2o request."""
+    llm = LLM(None, block_size=BS, max_model_len=4096, enable_prefix_caching=False)
+    eng = llm.engine
+    prompts = [[(31 * i + 17 * j) % 40000 + 100 for j in range(512)] for i in range(9)]
+    configs = [("8 plain", None), ("8 plain + 1 streaming", {"method": "streaming", "sink_tokens": 4, "window": 256}),
+               ("8 plain + 1 h2o", {"method": "h2o", "heavy_tokens": 128, "window": 128})]
+    rows = []
+    for rep in range(2):  # alternate, as the machine drifts
+        for label, comp in configs:
+            n = 8 if comp is None else 9
+            for i in range(n):
+                eng.add_request(f"{label}-{rep}-{i}", prompts[i], SamplingParams(
+                    temperature=0, max_tokens=96, ignore_eos=True, kv_compression=comp if i == 8 else None))
+            times = []
+            while eng.has_unfinished_requests():
+                t = time.perf_counter()
+                eng.step()
+                if eng.last_step_tokens == eng.scheduler.num_running == n:
+                    times.append(time.perf_counter() - t)
+            times.sort()
+            rows.append({"config": label, "rep": rep, "median_decode_step_ms": 1000 * times[len(times) // 2],
+                         "steps": len(times)})
+            print(rows[-1], flush=True)
+    print()
+    print("| batch | median decode step (ms), run 1 | run 2 |")
+    print("|---|---:|---:|")
+    for label, _ in configs:
+        ms = [r["median_decode_step_ms"] for r in rows if r["config"] == label]
+        print(f"| {label} | {ms[0]:.1f} | {ms[1]:.1f} |")
+    write_json("overhead", {"model": "SmolLM2-135M-Instruct (embedded GGUF, bf16)", "prompt_tokens": 512,
+                            "rows": rows})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["memory", "perplexity", "needle", "capacity"])
+    ap.add_argument("mode", choices=["memory", "perplexity", "needle", "capacity", "overhead"])
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--max-tokens", type=int, default=8000, help="perplexity: text tokens scored (SmolLM2 has 8,192 positions)")
     ap.add_argument("--context", type=int, default=4096, help="needle: haystack tokens")
     ap.add_argument("--requests", type=int, default=16, help="capacity: concurrent 8K requests")
     args = ap.parse_args(argv)
     {"memory": mode_memory, "perplexity": mode_perplexity, "needle": mode_needle,
-     "capacity": mode_capacity}[args.mode](args)
+     "capacity": mode_capacity, "overhead": mode_overhead}[args.mode](args)
     return 0
 
 
