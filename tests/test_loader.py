@@ -168,7 +168,7 @@ def test_tiny_checkpoint_loads_with_hf_config_and_weights(tiny_dir, kind):
     assert c.rope_theta == rc.rope_parameters["rope_theta"] and c.rms_norm_eps == rc.rms_norm_eps
     assert c.tie_word_embeddings == rc.tie_word_embeddings
     assert c.attention_bias == (kind == "qwen2_bias")
-    assert c.sliding_window == (16 if kind == "mistral_swa" else None)
+    assert c.sliding_window == (rc.sliding_window if kind.startswith("mistral_swa") else None)
     if kind == "llama3_rope":
         assert c.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

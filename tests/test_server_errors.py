@@ -58,6 +58,14 @@ CASES = [
     ("empty-messages", CHAT, {"messages": []}, 400, ["messages"], "messages"),
     ("bad-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, ["role"], "messages.0.role"),
     ("token-out-of-vocab", COMPLETIONS, {"prompt": [49152]}, 400, ["[0, 49152)"], "prompt"),
+    ("kv-compression-method", COMPLETIONS, {"prompt": "x", "kv_compression": {"method": "snap"}}, 400,
+     ["kv_compression.method", "streaming"], "kv_compression.method"),
+    ("kv-compression-window", CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                     "kv_compression": {"method": "streaming", "window": 0}}, 400,
+     ["kv_compression.window", ">= 1"], "kv_compression.window"),
+    ("kv-compression-over-context", COMPLETIONS, {"prompt": "x", "kv_compression": {"method": "streaming",
+                                                                                   "window": 4096}}, 400,
+     ["kv_compression.window", "1024"], "kv_compression"),
     ("negative-token", COMPLETIONS, {"prompt": [-1]}, 400, ["[0, 49152)"], "prompt"),
     ("top-p-zero", COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, ["top_p"], "top_p"),
     ("temperature-over-2", COMPLETIONS, {"prompt": "x", "temperature": 9}, 400, ["temperature", "2"], "temperature"),
@@ -341,3 +349,14 @@ def test_no_tracebacks_after_all_of_the_above(server):
     """Disconnects and bad input are normal events: nothing in this module may log a traceback."""
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_compressed_request_reports_attended_tokens(server):
+    body = {"prompt": "The history of the city " * 20, "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+            "kv_compression": {"method": "streaming", "sink_tokens": 4, "window": 64}}
+    r = post(server, COMPLETIONS, body)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["kv_attended_tokens"] <= 16 + 64 + 16 < usage["total_tokens"], usage
+    plain = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 2}).json()["usage"]
+    assert "kv_attended_tokens" not in plain

@@ -39,6 +39,9 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # head_dim 64: the size of the bf16 CPU attention kernel (and its "pairs" KV layout)
     "llama_d64": ("Llama", dict(head_dim=64)),
     "mistral_swa": ("Mistral", dict(sliding_window=16, head_dim=16)),
+    # a window of two 16-token blocks (long sequences release blocks as they pass them); head_dim
+    # 64, so bf16 runs take the CPU kernels
+    "mistral_swa32": ("Mistral", dict(sliding_window=32, head_dim=64)),
     "qwen2_bias": ("Qwen2", dict(num_hidden_layers=2, use_sliding_window=False)),
 }
 TINY_MODEL_KINDS = tuple(TINY_MODEL_SPECS)

@@ -353,6 +353,11 @@ class EngineArgs:
         None, "JSON object, vLLM's KVEventsConfig: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
               "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
               "publishes every block the cache stores and drops, in every tier, for a KV-aware router", "KV cache")
+    kv_compression: dict | str | None = _arg(
+        None, "JSON object: the KV compression of requests that set no kv_compression of their own, e.g. "
+              "'{\"method\": \"streaming\", \"sink_tokens\": 4, \"window\": 1024}' (attention sinks + recent "
+              "window) or '{\"method\": \"h2o\", \"heavy_tokens\": 512, \"window\": 512}'; a request opts out "
+              "with {\"method\": \"none\"} (docs/long-context.md)", "Scheduler")
     # Kernels
     attention_backend: str = _arg("auto", "attention kernels: torch (the CPU kernels, SDPA elsewhere) or "
                                           "triton (CUDA); auto: triton on CUDA when installed", "Kernels",

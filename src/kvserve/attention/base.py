@@ -36,6 +36,10 @@ class AttentionMetadata:
     # Backends cache derived per-step tensors here (masks, gather indices): built once per
     # step, reused by every layer.
     backend_state: dict[str, Any] = field(default_factory=dict, repr=False)
+    # h2o: sequences whose attention per block is summed (score_blocks), and the sums so far
+    # (float32 [blocks of the sequence's table], over layers, heads and the step's queries).
+    score_seqs: list[int] = field(default_factory=list)
+    block_scores: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -124,3 +128,27 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """q `[T, num_heads, D]`, k/v `[T, num_kv_heads, D]` (RoPE applied) -> `[T, num_heads, D]`."""
+
+    def score_blocks(self, layer: int, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
+        """Add the attention each block of meta.score_seqs' tables got at this layer (after
+        `forward` wrote the step's K/V) to meta.block_scores. Recomputes the softmax for those
+        sequences alone, over keys gathered in the compute dtype: any backend, any cache
+        format, and no cost to the sequences (or steps) that do not ask."""
+        bs = meta.block_size
+        for i in meta.score_seqs:
+            start, seq_len = meta.start_pos[i], meta.seq_lens[i]
+            nb = -(-seq_len // bs)
+            ks, _ = kv_cache.gather(layer, meta.block_tables[i, :nb])
+            ks = ks[:seq_len].float()  # [L, Hkv, D]
+            qs = q[meta.query_start_loc[i]:meta.query_start_loc[i + 1]].float()  # [n, Hq, D]
+            group = self.num_heads // self.num_kv_heads
+            qs = qs.view(qs.shape[0], self.num_kv_heads, group, self.head_dim)
+            logits = torch.einsum("nhgd,lhd->hgnl", qs, ks) * self.scale
+            q_pos = torch.arange(start, seq_len, device=ks.device)
+            visible = torch.arange(seq_len, device=ks.device)[None, :] <= q_pos[:, None]  # [n, L]
+            probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+            per_key = probs.sum(dim=(0, 1, 2))  # [L]
+            per_block = torch.nn.functional.pad(per_key, (0, nb * bs - seq_len)).view(nb, bs).sum(1)
+            acc = meta.block_scores.get(i)
+            meta.block_scores[i] = per_block if acc is None else acc + per_block
+

@@ -52,6 +52,9 @@ class Request:
     num_preemptions: int = 0
     # Set by the KV cache manager: chain hashes of this request's full blocks, in order.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Set by the KV cache manager: positions whose blocks left the block table (sliding window,
+    # KV compression); the tokens computed next attend to num_computed_tokens - this many.
+    num_released_tokens: int = 0
 
     # Timing for metrics (monotonic seconds).
     first_scheduled_time: float | None = None

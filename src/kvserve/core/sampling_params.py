@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from kvserve.core.kv_compression import KVCompression, KVCompressionError, parse_kv_compression
+
 # Below this temperature a request samples greedily (the sampler takes the argmax).
 GREEDY_EPS = 1e-5
 
@@ -50,6 +52,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Release KV blocks as the sequence grows (core/kv_compression.py): a dict such as
+    # {"method": "streaming", "sink_tokens": 4, "window": 1024}, made a KVCompression here.
+    kv_compression: KVCompression | dict | None = None
     # vLLM fields kvserve does not implement: accepted at their "off" value, refused otherwise
     # (a script that sets one must not get output that silently ignored it).
     best_of: int | None = None
@@ -79,6 +84,10 @@ class SamplingParams:
         if isinstance(self.output_kind, int) and not isinstance(self.output_kind, bool) \
                 and self.output_kind in RequestOutputKind.__members__.values():
             self.output_kind = RequestOutputKind(self.output_kind)
+        try:
+            self.kv_compression = parse_kv_compression(self.kv_compression)
+        except KVCompressionError as e:
+            raise SamplingParamsError(str(e)) from None
         # Refused when made, as vLLM does; the engine checks again against its own limits.
         self.validate(max_logprobs=sys.maxsize, max_n=sys.maxsize)
 

@@ -50,6 +50,10 @@ class ScheduledRequest:
     # Speculative decoding: guessed tokens after the last known one, the last len(spec_token_ids)
     # of the num_new_tokens (sched/spec_decode.py). The runner returns the greedy token at each.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Positions missing from block_table (released by a sliding window or KV compression), all
+    # before the new tokens: those sit at table position start_pos - num_released_tokens onward
+    # and keep their rotary positions from start_pos.
+    num_released_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -100,3 +104,6 @@ class ModelRunnerOutput:
     # Entries with spec_token_ids: the greedy token at each of their positions (1 + guesses).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that ask
+    # h2o: attention each block of the entry's block table received this step, summed over
+    # layers, heads and the step's queries (only for requests that ask for it).
+    kv_block_scores: dict[str, list[float]] = field(default_factory=dict)

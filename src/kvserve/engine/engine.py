@@ -11,6 +11,7 @@ with that seed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import numbers
 import os
@@ -21,6 +22,9 @@ from typing import Iterable
 
 from kvserve.cache.offload import build_kv_tiers
 from kvserve.config import ConfigError, EngineArgs, SchedulerConfig
+from kvserve.core.kv_compression import KVCompressionError
+from kvserve.core.kv_compression import active as active_compression
+from kvserve.core.kv_compression import check_kv_compression, parse_kv_compression
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.engine.detokenizer import IncrementalDetokenizer, token_text_cache
@@ -115,7 +119,9 @@ class LLMEngine:
             for tier in self.kv_tiers.tiers:
                 tier.events, tier.block_size = self.kv_events, args.block_size
         self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
-                                 args.kv_cache_dtype, tiers=self.kv_tiers, events=self.kv_events)
+                                 args.kv_cache_dtype, tiers=self.kv_tiers, events=self.kv_events,
+                                 sliding_window=self.model_config.sliding_window)
+        self.kv_compression = self._kv_compression_default(args)
         if self.kv_tiers is not None:
             # close(), or an engine dropped without it (garbage collection, interpreter exit):
             # the pool's cached blocks go down too, the writer drains, the directory unlocks.
@@ -196,6 +202,7 @@ class LLMEngine:
             params.validate(max_logprobs=self.max_logprobs)
         except SamplingParamsError as e:
             raise RequestError(str(e), str(e).split()[0]) from None
+        params = self._with_kv_compression(params)
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
         params = self._resolve_max_tokens(params, len(prompt_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -226,6 +233,32 @@ class LLMEngine:
             self._group_of[s.req.request_id] = group
             self.scheduler.add_request(s.req)
         self.prompt_tokens_total += len(prompt_ids)
+
+    def _kv_compression_default(self, args: EngineArgs):
+        """--kv-compression, parsed and checked against this model and context length."""
+        value = args.kv_compression
+        if value is None or value == "":
+            return None
+        try:
+            c = parse_kv_compression(json.loads(value) if isinstance(value, str) else value, "--kv-compression")
+            check_kv_compression(c, self.max_model_len, self.model_config.sliding_window, "--kv-compression")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--kv-compression is not valid JSON ({e}); give an object such as "
+                              '\'{"method": "streaming", "sink_tokens": 4, "window": 1024}\'') from None
+        except KVCompressionError as e:
+            raise ConfigError(str(e)) from None
+        return c
+
+    def _with_kv_compression(self, params: SamplingParams) -> SamplingParams:
+        """The request's kv_compression, or the server default (--kv-compression) when it sets
+        none; refused where this engine cannot serve it."""
+        if params.kv_compression is None and self.kv_compression is not None:
+            params = dataclasses.replace(params, kv_compression=self.kv_compression)
+        try:
+            check_kv_compression(params.kv_compression, self.max_model_len, self.model_config.sliding_window)
+        except KVCompressionError as e:
+            raise RequestError(str(e), "kv_compression") from None
+        return params
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if not isinstance(prompt, (str, list, tuple)):
@@ -428,7 +461,9 @@ class LLMEngine:
                 logprobs=None if deltas_only or not with_lp else list(s.new_logprobs) if delta_kind else list(s.logprobs),
                 finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
                 delta_text=delta, delta_token_ids=s.new_token_ids,
-                delta_logprobs=s.new_logprobs if with_lp else None))
+                delta_logprobs=s.new_logprobs if with_lp else None,
+                num_attended_tokens=(r.num_computed_tokens - r.num_released_tokens
+                                     if active_compression(r.sampling_params.kv_compression) else None)))
             s.new_token_ids = []
             s.new_logprobs = []
         first = group.seqs[0].req
@@ -483,7 +518,8 @@ class LLMEngine:
             num_swapped_preemptions=self.scheduler.num_swaps, num_steps=self.num_steps,
             last_step_tokens=self.last_step_tokens, spec_decode_num_drafts=self.scheduler.num_drafts,
             spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens)
+            spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens,
+            kv_released_blocks=dict(self.kv.num_released))
         if self.kv_tiers is not None:
             self._tier_stats(stats)
         return stats

@@ -41,6 +41,9 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: SampleLogprobs | None = None
+    # With kv_compression: the tokens whose KV the sequence still held at its last step, what
+    # attention covered once compression was in force (None without compression).
+    num_attended_tokens: int | None = None
 
     def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
@@ -150,6 +153,8 @@ class EngineStats:
     kv_offload_seconds: float = 0.0  # engine-thread time spent reading + packing evicted blocks
     kv_offload_dropped_blocks: int = 0  # the writer queue was full: those blocks were not kept
     num_swapped_preemptions: int = 0  # preemptions whose KV went to the host tier
+    # blocks released from running sequences, by policy: sliding_window, streaming, h2o
+    kv_released_blocks: dict[str, int] = field(default_factory=dict)
     num_swap_fallbacks: int = 0  # swap preemptions that recomputed: no room in the host tier
     num_steps: int = 0  # engine steps that ran a forward
     spec_decode_num_drafts: int = 0  # speculated request-steps (--speculative-config)

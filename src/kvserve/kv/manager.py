@@ -16,6 +16,14 @@ device pool: the next full blocks found in host / disk / Redis are restored into
 the step commits. Evicted full blocks are handed down (`BlockOffload`s). Swap preemption stores a
 victim's blocks, its last partial one included, as held host entries and restores them on resume.
 Payloads stay opaque here: no tensors.
+
+Releasing blocks while a sequence runs (kv/release.py): under a model's sliding window, or a
+request's KV compression, blocks no future token attends to leave the block table as the
+sequence advances. The table then holds only the blocks kept, and `released_tokens(req)` says how
+many positions are missing from it (the runner offsets the new tokens' rotary positions by that
+much; they are always after every released block). Released blocks stay in the prefix cache when
+they are exact. A compressed sequence's KV stops being exact at its first release: what it
+computes after that is never published to the prefix cache, so no other request can hit it.
 """
 from __future__ import annotations
 
@@ -23,11 +31,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
+from kvserve.core.kv_compression import KVCompression
 from kvserve.core.request import Request
 from kvserve.core.step import BlockCopy, BlockOffload, BlockRestore
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.events import KVEventSink
 from kvserve.kv.hashing import extend_block_hashes, root_hash
+from kvserve.kv.release import SLIDING_WINDOW, blocks_to_release, release_reason
 
 if TYPE_CHECKING:
     from kvserve.kv.tiers.chain import TierChain
@@ -45,6 +55,9 @@ class PrefixHit(NamedTuple):
     # resume may end with a partial one holding `restored_partial` tokens).
     restored: tuple = ()  # tuple[Fetched, ...]
     restored_partial: int = 0
+    # Sliding window: the leading blocks of the prefix its first new token cannot see, not held
+    # (`blocks` starts after them); their tokens still count in num_tokens.
+    num_skipped: int = 0
 
 
 class SwapRecord(NamedTuple):
@@ -70,8 +83,10 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  kv_cache_dtype: str = "auto",
                  on_evict: Callable[[Block], None] | None = None,
-                 tiers: "TierChain | None" = None, events: KVEventSink | None = None) -> None:
+                 tiers: "TierChain | None" = None, events: KVEventSink | None = None,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.kv_cache_dtype = kv_cache_dtype
         self.tiers = tiers
@@ -93,6 +108,14 @@ class KVCacheManager:
         self._swapped: dict[str, SwapRecord] = {}
         self._tier_memo: OrderedDict[str, tuple[tuple[bytes, ...], tuple]] = OrderedDict()
         self.stats = PrefixCacheStats()
+        # Released blocks (see the module docstring): per request, the logical index of each
+        # held block while it holds fewer than it has written, how many it released, whether
+        # its KV is still exact (compression), and h2o's accumulated attention per held block.
+        self._logical: dict[str, list[int]] = {}
+        self._released: dict[str, int] = {}
+        self._inexact: set[str] = set()
+        self._scores: dict[str, list[float]] = {}
+        self.num_released: dict[str, int] = {}  # blocks released, by policy (metrics)
 
     # -- lookup -------------------------------------------------------------------------------
     def _root(self, req: Request) -> bytes:
@@ -115,24 +138,21 @@ class KVCacheManager:
         max_hit = req.num_tokens - 1  # the last token is always computed: its logits are needed
         root = self._root(req)
         hashes = extend_block_hashes(req.block_hashes, root, tokens, bs)
-        blocks: list[Block] = []
-        for i in range(max_hit // bs):
-            block = self.pool.lookup(hashes[i])
-            # Token check: SHA-256 makes a mismatch impossible in practice; this makes it impossible.
-            if block is None or block.token_ids != tokens[i * bs:(i + 1) * bs]:
-                break
-            blocks.append(block)
+        if self.sliding_window and swapped is None:
+            blocks, skipped = self._window_hit(tokens, hashes, max_hit // bs)
+        else:
+            blocks, skipped = self._plain_hit(tokens, hashes, max_hit // bs), 0
         if use_tiers and swapped is not None and swapped.num_tokens > len(blocks) * bs:
             return self._swap_hit(req, swapped, blocks, len(blocks))
         restored: tuple = ()
-        if use_tiers and self.tiers is not None and len(blocks) < max_hit // bs:
-            first, stop = len(blocks), max_hit // bs
+        if use_tiers and self.tiers is not None and skipped + len(blocks) < max_hit // bs:
+            first, stop = skipped + len(blocks), max_hit // bs
             restored = self._fetch(req, tuple(hashes[first:stop]), self._by_block(tokens, first, stop))
-        matched = (len(blocks) + len(restored)) * bs
+        matched = (skipped + len(blocks) + len(restored)) * bs
         want = tokens[matched:min(matched + bs, max_hit)]
         best, best_len = None, 0
         if want:
-            n_full = len(blocks) + len(restored)
+            n_full = skipped + len(blocks) + len(restored)
             parent = hashes[n_full - 1] if n_full else root
             # A quantized cache's partial block has no fixed stored form: exact residual rows
             # while open, padded codes once other requests' writes evict it from the residual
@@ -145,7 +165,44 @@ class KVCacheManager:
                 n = _common_prefix_len(cand.token_ids, want)
                 if n > best_len:
                     best, best_len = cand, n
-        return PrefixHit(blocks, matched + best_len, best, best_len, restored)
+        return PrefixHit(blocks, matched + best_len, best, best_len, restored, num_skipped=skipped)
+
+    def _cached(self, tokens: list[int], hashes: list[bytes], i: int) -> Block | None:
+        block = self.pool.lookup(hashes[i])
+        # Token check: SHA-256 makes a mismatch impossible in practice; this makes it impossible.
+        if block is None or block.token_ids != tokens[i * self.block_size:(i + 1) * self.block_size]:
+            return None
+        return block
+
+    def _plain_hit(self, tokens: list[int], hashes: list[bytes], n: int) -> list[Block]:
+        blocks: list[Block] = []
+        for i in range(n):
+            block = self._cached(tokens, hashes, i)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _window_hit(self, tokens: list[int], hashes: list[bytes], n: int) -> tuple[list[Block], int]:
+        """Under a sliding window a prefix of L blocks only needs the blocks its next token sees
+        (vLLM's sliding-window prefix caching): the longest L whose window blocks are all cached,
+        even where blocks before them were evicted. Returns those blocks and how many before
+        them are skipped."""
+        found = [self._cached(tokens, hashes, i) for i in range(n)]
+        run = 0
+        best = (0, 0)
+        for i, block in enumerate(found):
+            run = run + 1 if block is not None else 0
+            length = i + 1
+            need = min(self._first_seen_block(length * self.block_size), length - 1)  # hold one at least
+            if run >= length - need:
+                best = (length, need)
+        length, need = best
+        return found[need:length], need
+
+    def _first_seen_block(self, pos: int) -> int:
+        """The first block a query at `pos` reads under the sliding window."""
+        return max(0, pos - self.sliding_window + 1) // self.block_size
 
     def _by_block(self, tokens: list[int], first: int, stop: int) -> list[list[int]]:
         """Blocks first .. stop-1 of `tokens` (the last may be partial): what tier entries must hold."""
@@ -179,7 +236,8 @@ class KVCacheManager:
         """Blocks that must leave the free queue to admit `num_new_tokens` more tokens."""
         held = self.req_blocks.get(req.request_id, ())
         computed = hit.num_tokens if not held else req.num_computed_tokens
-        total = -(-(computed + num_new_tokens) // self.block_size)
+        gone = self._released.get(req.request_id, 0) if held else hit.num_skipped
+        total = -(-(computed + num_new_tokens) // self.block_size) - gone
         reused_free = sum(1 for b in hit.blocks if b.ref_cnt == 0)
         if not held and self._pins_copy_source(hit):
             reused_free += 1
@@ -206,11 +264,14 @@ class KVCacheManager:
             self.tiers.stats.swapped_in_blocks += len(hit.restored)
         if not blocks:
             self._tier_memo.pop(req.request_id, None)
+            req.num_released_tokens = hit.num_skipped * self.block_size
         if not blocks and (hit.blocks or hit.partial_src is not None or hit.restored):
             for b in hit.blocks:
                 self.pool.touch(b)
             blocks.extend(hit.blocks)
-            self._committed[req.request_id] = len(hit.blocks) * self.block_size
+            self._committed[req.request_id] = (hit.num_skipped + len(hit.blocks)) * self.block_size
+            if hit.num_skipped:
+                self._released[req.request_id] = hit.num_skipped
             if self._pins_copy_source(hit):
                 self.pool.touch(hit.partial_src)
                 self._pinned.append(hit.partial_src)
@@ -233,7 +294,7 @@ class KVCacheManager:
             if not blocks:
                 self._count_hit(req, EMPTY_HIT)
             computed = req.num_computed_tokens
-        total = -(-(computed + num_new_tokens) // self.block_size)
+        total = -(-(computed + num_new_tokens) // self.block_size) - self._released.get(req.request_id, 0)
         while len(blocks) < total:
             blocks.append(self.pool.allocate())
         return True
@@ -287,8 +348,8 @@ class KVCacheManager:
         the caller falls back to recompute."""
         blocks = self.req_blocks.get(req.request_id)
         num_tokens = self._committed.get(req.request_id, 0)
-        if not blocks or num_tokens <= 0 or self.tiers is None:
-            return False
+        if not blocks or num_tokens <= 0 or self.tiers is None or self._released.get(req.request_id):
+            return False  # a sequence missing released blocks resumes by recompute
         n = -(-num_tokens // self.block_size)
         tag = f"swap:{req.request_id}:{req.num_preemptions}:".encode()
         keys = tuple(tag + str(i).encode() for i in range(n))
@@ -314,30 +375,79 @@ class KVCacheManager:
         end = req.num_computed_tokens
         if end <= start:
             return
-        if not self.enable_caching:
+        # Blocks from `start` on come after every released one: logical block i is held at i - gone.
+        gone = self._released.get(req.request_id, 0)
+        if not self.enable_caching or req.request_id in self._inexact:
             for i in range(start // bs, (end - 1) // bs + 1):
-                self.pool.set_filled(blocks[i], min(bs, end - i * bs))
-            self._committed[req.request_id] = end
-            return
-        tokens = req.all_token_ids
-        root = self._root(req)
-        hashes = extend_block_hashes(req.block_hashes, root, tokens, bs, end)
-        for i in range(start // bs, (end - 1) // bs + 1):
-            block = blocks[i]
-            lo, hi = i * bs, min((i + 1) * bs, end)
-            self.pool.set_filled(block, hi - lo)
-            if block.block_hash is not None:
-                continue  # a shared cached block: already complete
-            self.pool.record_tokens(block, hashes[i - 1] if i else root, tokens[lo:hi])
-            if hi - lo == bs:
-                self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else None)
+                self.pool.set_filled(blocks[i - gone], min(bs, end - i * bs))
+        else:
+            tokens = req.all_token_ids
+            root = self._root(req)
+            hashes = extend_block_hashes(req.block_hashes, root, tokens, bs, end)
+            for i in range(start // bs, (end - 1) // bs + 1):
+                block = blocks[i - gone]
+                lo, hi = i * bs, min((i + 1) * bs, end)
+                self.pool.set_filled(block, hi - lo)
+                if block.block_hash is not None:
+                    continue  # a shared cached block: already complete
+                self.pool.record_tokens(block, hashes[i - 1] if i else root, tokens[lo:hi])
+                if hi - lo == bs:
+                    self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else None)
         self._committed[req.request_id] = end
+        self._release(req, end)
+
+    def add_scores(self, req: Request, scores: list[float]) -> None:
+        """h2o: attention the last step paid to each block of the table it ran with."""
+        acc = self._scores.setdefault(req.request_id, [])
+        if len(acc) < len(scores):
+            acc.extend([0.0] * (len(scores) - len(acc)))
+        for i, s in enumerate(scores):
+            acc[i] += s
+
+    def released_tokens(self, req: Request) -> int:
+        """Positions before the sequence's newest blocks that its block table no longer holds."""
+        return self._released.get(req.request_id, 0) * self.block_size
+
+    def _release(self, req: Request, next_pos: int) -> None:
+        compression: KVCompression | None = req.sampling_params.kv_compression
+        reason = release_reason(compression, self.sliding_window)
+        if reason is None:
+            return
+        rid = req.request_id
+        blocks = self.req_blocks[rid]
+        gone = self._released.get(rid, 0)
+        logical = self._logical.get(rid)
+        if logical is None:
+            logical = list(range(gone, gone + len(blocks)))  # nothing released between them yet
+        elif len(logical) < len(blocks):  # blocks allocated since the last release follow the last
+            logical.extend(range(logical[-1] + 1, logical[-1] + 1 + len(blocks) - len(logical)))
+        drop = blocks_to_release(reason, logical, next_pos, self.block_size, compression,
+                                 self.sliding_window, self._scores.get(rid, ()))
+        if not drop:
+            return
+        if reason != SLIDING_WINDOW:
+            self._inexact.add(rid)  # what it computes from now on attends to a cut context
+        drop_set = set(drop)
+        self.pool.free(reversed([blocks[i] for i in drop]))
+        self.req_blocks[rid] = [b for i, b in enumerate(blocks) if i not in drop_set]
+        self._block_ids[rid] = [b.block_id for b in self.req_blocks[rid]]
+        self._logical[rid] = [j for i, j in enumerate(logical) if i not in drop_set]
+        scores = self._scores.get(rid)
+        if scores is not None:
+            self._scores[rid] = [s for i, s in enumerate(scores) if i not in drop_set]
+        self._released[rid] = gone + len(drop)
+        req.num_released_tokens = (gone + len(drop)) * self.block_size
+        self.num_released[reason] = self.num_released.get(reason, 0) + len(drop)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)
         self._block_ids.pop(req.request_id, None)
         self._committed.pop(req.request_id, None)
         self._tier_memo.pop(req.request_id, None)
+        self._logical.pop(req.request_id, None)
+        self._released.pop(req.request_id, None)
+        self._inexact.discard(req.request_id)
+        self._scores.pop(req.request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
 

@@ -161,7 +161,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
-        decoder = self.compiled_decoder(kv_cache)
+        decoder = self.compiled_decoder(kv_cache) if not attn_metadata.score_seqs else None
         if decoder is not None:
             return decoder.forward(h, cos, sin, attn_metadata.slot_mapping, self.attn.varlen_plan(attn_metadata),
                                    out_rows)
@@ -179,6 +179,8 @@ class LlamaModel:
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
             o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
+            if attn_metadata.score_seqs:  # h2o requests in the step
+                self.attn.score_blocks(i, q, kv_cache, attn_metadata)
             if out_rows is not None and i + 1 == len(self.layers):
                 o, h, t = o[out_rows], h[out_rows], out_rows.numel()
                 if t == 0:

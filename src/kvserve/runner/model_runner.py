@@ -104,7 +104,10 @@ class ModelRunner:
     def build_metadata(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
         """Flattened input ids and the step's attention metadata."""
         sched = out.scheduled
-        meta = build_attention_metadata([s.start_pos for s in sched], [s.num_new_tokens for s in sched],
+        # Attention works in block-table positions: a sequence missing released blocks starts
+        # its chunk that much earlier in its table (its rotary positions stay, see rope_positions).
+        meta = build_attention_metadata([s.start_pos - s.num_released_tokens for s in sched],
+                                        [s.num_new_tokens for s in sched],
                                         [s.block_table for s in sched], self.block_size, self.device)
         if meta.block_tables.numel() and int(meta.block_tables.max()) >= self.num_blocks:
             raise ValueError(f"a block table names block {int(meta.block_tables.max())}, but the KV "
@@ -116,6 +119,16 @@ class ModelRunner:
                              f"[{bad.start_pos}, {bad.start_pos + bad.num_new_tokens}) but it has only "
                              f"{bad.request.num_tokens} tokens")
         return torch.from_numpy(ids).to(self.device), meta
+
+    def rope_positions(self, out: SchedulerOutput, meta: AttentionMetadata) -> torch.Tensor:
+        """Each new token's rotary position: its table position plus the positions released
+        before it. Keys keep the rotation of their original position (rotating cached keys to
+        re-index them would rewrite blocks the prefix cache shares), so a query keeps its own."""
+        shift = [s.num_released_tokens for s in out.scheduled]
+        if not any(shift):
+            return meta.positions
+        return meta.positions + torch.repeat_interleave(
+            torch.tensor(shift, dtype=torch.long), torch.tensor(meta.query_lens, dtype=torch.long)).to(self.device)
 
     def warm_up(self, prompt_len: int) -> None:
         """A prefill of `prompt_len` tokens, then a decode, over the pool's first blocks, their
@@ -154,25 +167,28 @@ class ModelRunner:
                                      np.fromiter((s.start_pos for s in sched), np.int64, len(sched)),
                                      [s.block_table for s in sched])
             logit_rows, trimmed = self._logit_rows(sampling, guessing, range(len(sched) + 1)), False
-            prompt_lps = {}
+            prompt_lps, block_scores = {}, {}
         else:
             input_ids, meta = self.build_metadata(out)
+            meta.score_seqs = [i for i, s in enumerate(out.scheduled) if _scores_attention(s)]
             logit_rows = self._logit_rows(sampling, guessing, meta.query_start_loc)
             trimmed = self._trims(out, logit_rows, meta.num_tokens)
-            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache,
+            hidden = self.model.forward(input_ids, self.rope_positions(out, meta), meta, self.kv_cache,
                                         torch.tensor(logit_rows, dtype=torch.long, device=self.device) if trimmed else None)
             prompt_lps = {} if trimmed else self._prompt_logprobs(out, hidden, meta)
+            block_scores = {out.scheduled[i].request.request_id: t.tolist() for i, t in meta.block_scores.items()}
         self.kv_cache.finish_step()
 
         if not sampling and not guessing:
-            return ModelRunnerOutput(prompt_logprobs=prompt_lps)
+            return ModelRunnerOutput(prompt_logprobs=prompt_lps, kv_block_scores=block_scores)
         if not trimmed:
             hidden = hidden[torch.tensor(logit_rows, device=self.device)]
         logits = self.model.compute_logits(hidden, float32=False)
         rows = [SamplingRow(s.request.request_id, s.request.sampling_params, s.request.prompt_token_ids,
                             s.request.output_token_ids, s.request.eos_token_ids) for _, s in sampling]
         tokens = self.sampler(logits[:len(rows)], rows)
-        result = ModelRunnerOutput(sampled={r.request_id: t for r, t in zip(rows, tokens)}, prompt_logprobs=prompt_lps)
+        result = ModelRunnerOutput(sampled={r.request_id: t for r, t in zip(rows, tokens)}, prompt_logprobs=prompt_lps,
+                                   kv_block_scores=block_scores)
         if guessing:
             greedy = row_argmax(logits[len(rows):]).tolist()
             at = 0
@@ -206,7 +222,7 @@ class ModelRunner:
         size, and no prompt logprobs (those score prompt rows the graph does not return)."""
         return (self.graphs is not None and self.graphs.size_for(len(out.scheduled)) is not None
                 and all(s.num_new_tokens == 1 and s.request.sampling_params.prompt_logprobs is None
-                        for s in out.scheduled))
+                        and not s.num_released_tokens and not _scores_attention(s) for s in out.scheduled))
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
                          ) -> dict[str, PromptLogprobs]:
@@ -232,3 +248,10 @@ class ModelRunner:
                 chunk.top.extend(top)
             result[s.request.request_id] = chunk
         return result
+
+
+def _scores_attention(s: ScheduledRequest) -> bool:
+    """Whether the entry's request evicts by attention received (h2o), which the forward sums."""
+    c = s.request.sampling_params.kv_compression
+    return c is not None and c.method == "h2o"
+

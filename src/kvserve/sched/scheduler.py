@@ -213,7 +213,7 @@ class Scheduler:
         return ScheduledRequest(request=req, start_pos=req.num_computed_tokens, num_new_tokens=n,
                                 block_table=self.kv.block_table(req),
                                 sample=req.num_computed_tokens + n - len(draft) == req.num_tokens,
-                                spec_token_ids=draft)
+                                spec_token_ids=draft, num_released_tokens=self.kv.released_tokens(req))
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Guesses for a decoding request's next tokens: no more than the step's budget, its
@@ -271,6 +271,9 @@ class Scheduler:
                 touched.append(req)
                 continue
             req.num_computed_tokens += entry.num_new_tokens
+            scores = result.kv_block_scores.get(req.request_id) if result.kv_block_scores else None
+            if scores is not None:
+                self.kv.add_scores(req, scores)
             self.kv.commit(req)
             if not entry.sample:
                 continue

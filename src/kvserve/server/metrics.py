@@ -153,6 +153,8 @@ class ServerMetrics:
         self.offloaded_blocks = counter("kvserve:kv_offloaded_blocks", "Evicted device blocks copied down to the tiers.")
         self.offload_dropped = counter("kvserve:kv_offload_dropped_blocks", "Evicted blocks dropped: the tier writer queue was full.")
         self.swapped_preemptions = counter("kvserve:num_swapped_preemptions", "Preemptions whose KV went to the host tier.")
+        self.released_blocks = counter("kvserve:kv_released_blocks", "Blocks released from running sequences by "
+                                       "reason (sliding_window | streaming | h2o).", L + ["reason"])
         # vLLM's speculative decoding counters (acceptance rate = accepted / draft tokens).
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Request-steps that carried speculated tokens.")
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Speculated tokens fed to the model.")
@@ -254,6 +256,8 @@ class ServerMetrics:
         self._advance("kob", self.offloaded_blocks.labels(m), getattr(s, "kv_offloaded_blocks", 0))
         self._advance("kod", self.offload_dropped.labels(m), getattr(s, "kv_offload_dropped_blocks", 0))
         self._advance("nsp", self.swapped_preemptions.labels(m), getattr(s, "num_swapped_preemptions", 0))
+        for reason, n in getattr(s, "kv_released_blocks", {}).items():
+            self._advance("rel:" + reason, self.released_blocks.labels(m, reason), n)
         self._advance("sdd", self.spec_drafts.labels(m), getattr(s, "spec_decode_num_drafts", 0))
         self._advance("sdt", self.spec_draft_tokens.labels(m), getattr(s, "spec_decode_num_draft_tokens", 0))
         self._advance("sda", self.spec_accepted.labels(m), getattr(s, "spec_decode_num_accepted_tokens", 0))

@@ -83,6 +83,8 @@ class _SamplingRequest(_Request):
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
+    # kvserve's: KV compression of this request (core/kv_compression.py), checked by SamplingParams
+    kv_compression: dict | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -174,6 +176,8 @@ class PromptTokensDetails(BaseModel):
 
 
 class UsageInfo(BaseModel):
+    # kvserve adds kv_attended_tokens for requests with kv_compression (absent otherwise)
+    model_config = ConfigDict(extra="allow")
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0

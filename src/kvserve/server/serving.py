@@ -181,7 +181,8 @@ class OpenAIServing:
                 max_tokens=min(max_tokens, d.get("max_tokens", max_tokens)), min_tokens=req.min_tokens, stop=req.stop or [],
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs)
+                skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
+                kv_compression=req.kv_compression)
             params.validate(max_logprobs=self.config.max_logprobs, max_n=P.MAX_N)
         except SamplingParamsError as e:
             raise APIError(str(e), param=str(e).split()[0]) from None
@@ -428,8 +429,10 @@ class OpenAIServing:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
         completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in finals)
+        attended = [c.num_attended_tokens for o in finals for c in o.outputs if c.num_attended_tokens is not None]
+        extra = {"kv_attended_tokens": sum(attended)} if attended else {}
         return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached), **extra)
 
     @staticmethod
     def _top(entry: dict, n: int) -> list[tuple[str, float]]:
