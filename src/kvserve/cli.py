@@ -126,7 +126,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["type"] = _vllm_int(auto=f.name == "max_model_len")
         elif f.name in ("override_generation_config", "speculative_config"):
             kwargs["type"] = _json_object
-        elif f.name == "served_model_name":
+        elif f.name in ("served_model_name", "lora_modules"):
             kwargs["nargs"] = "+"
         else:
             kwargs["type"] = base

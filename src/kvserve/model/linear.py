@@ -97,7 +97,8 @@ def _mkldnn_linear_available() -> bool:
 class Linear:
     """y = x W^T (+ b) for a fixed weight `[out, in]`; packs the weight when that pays."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "gemm", "codes", "epilogue")
+    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "gemm", "codes", "epilogue",
+                 "inv_order")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
                  epilogue: Epilogue | None = None, codes: GGUFBlocks | None = None) -> None:
@@ -110,6 +111,7 @@ class Linear:
         self.gemm = None  # (kernel, operand): gemm_bf16.cpp's packed weight, or gemm_amx.cpp's GGUF codes
         self.codes = None  # the GGUF type ("Q4_1", "Q8_0") where the operand is codes
         self.epilogue = None
+        self.inv_order = None  # the packed weight's row order undone (plain())
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bias is None
                 and n % 64 == 0):
             from kvserve.ops.cpu_kernels import gemm_bf16_kernels
@@ -117,6 +119,7 @@ class Linear:
             if kernels is not None and k % kernels.k_multiple == 0:
                 order = _epilogue_order(epilogue, n) if epilogue is not None else None
                 self.epilogue = epilogue if order is not None else None
+                self.inv_order = None if order is None else torch.argsort(order)
                 self.weight = None
                 if codes is not None and kernels.k_multiple == 32 and self._take_codes(codes, order, n, k):
                     return
@@ -149,6 +152,19 @@ class Linear:
             codes = GGUFBlocks(codes.qtype, codes.blocks[order], codes.cols)
         self.gemm, self.codes = (kernel, pack_tiles(codes)), codes.qtype
         return True
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) `[..., out]` in the weight's own column order, without the epilogue: what a
+        LoRA delta adds to before the rotary / SiLU pass (model/lora.py)."""
+        if self.epilogue is None:
+            return self(x)
+        kernel, operand = self.gemm
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        if rows.shape[0]:
+            kernel(rows.data_ptr(), rows.shape[0], self.in_features, operand.data_ptr(), self.out_features,
+                   y.data_ptr(), _PLAIN_KIND, 0, 0, 0, 0)
+        return y[:, self.inv_order].view(*x.shape[:-1], self.out_features)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor | None = None,
                  sin_signed: torch.Tensor | None = None) -> torch.Tensor:
