@@ -18,7 +18,7 @@ from kvserve.cache.base import KVCache
 from kvserve.config import ModelConfig
 from kvserve.model import cpu_decoder
 from kvserve.model.fused import ElementwiseOps
-from kvserve.model.linear import SILU_MUL, Epilogue, Linear, rope_epilogue
+from kvserve.model.linear import SILU_MUL, Epilogue, Linear, rope_epilogue, silu_mul_tiles
 from kvserve.model.lora import LoRAStep
 from kvserve.model.weight_codes import GGUFBlocks
 from kvserve.model.weight_codes import cat as weight_codes_cat
@@ -173,8 +173,11 @@ class LlamaModel:
         ops, eps = self.ops, c.rms_norm_eps
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            if lora is not None:
-                qkv = lora.add(layer.qkv_proj.plain(x), x, i, "qkv")
+            if lora is not None and layer.qkv_proj.epilogue is not None:
+                qkv = self._qkv_rotated_plus_lora(layer, x, cos, sin, i, lora)
+                qk = qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d)
+            elif lora is not None:
+                qkv = lora.add(layer.qkv_proj(x), x, i, "qkv")
                 qk = ops.rope(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
             elif layer.qkv_proj.epilogue is not None:  # the projection rotates q and k itself
                 qkv = layer.qkv_proj(x, cos, sin)
@@ -196,8 +199,9 @@ class LlamaModel:
             if lora is not None:
                 lora.add(proj, o, i, "o")
             x = ops.add_rms_norm(h, proj, layer.post_attn_norm, eps)
-            if lora is not None:
-                act = ops.silu_mul(lora.add(layer.gate_up_proj.plain(x), x, i, "gate_up"))
+            if lora is not None:  # the delta goes in before SiLU; plain() keeps the epilogue's column order
+                gate_up = lora.add(layer.gate_up_proj.plain(x), x, i, "gate_up")
+                act = silu_mul_tiles(ops, gate_up) if layer.gate_up_proj.epilogue is not None else ops.silu_mul(gate_up)
             else:
                 act = layer.gate_up_proj(x)
                 if layer.gate_up_proj.epilogue is None:
@@ -209,6 +213,22 @@ class LlamaModel:
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, down, next_norm, eps)
         return x
+
+    def _qkv_rotated_plus_lora(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                               i: int, lora: LoRAStep) -> torch.Tensor:
+        """The q/k/v projection with its rotary epilogue, plus the LoRA rows' delta rotated the
+        same way: the rotation is linear, so rotating the sum or adding the rotated delta is the
+        same map, and the fused projection's output keeps its layout (no gather of its columns)."""
+        c, qk = self.config, self.q_size + self.kv_size
+        qkv = layer.qkv_proj(x, cos, sin)
+        delta = lora.delta(x, i, "qkv")
+        rows = lora.rows
+        n = delta.shape[0]
+        rotated = self.ops.rope(delta[:, :qk].to(qkv.dtype).view(n, c.num_attention_heads + c.num_key_value_heads, c.head_dim),
+                                cos[rows], sin[rows])
+        qkv[rows, :qk] += rotated.reshape(n, qk)
+        qkv[rows, qk:] += delta[:, qk:]
+        return qkv
 
     def compiled_decoder(self, kv_cache: KVCache) -> cpu_decoder.CompiledDecoder | None:
         """The compiled layer loop over kv_cache, or None where the Python loop runs."""

@@ -170,13 +170,16 @@ def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: t
 
 
 class LoRASlots:
-    """The adapters a step may use, preallocated: per layer and fused projection, A `[S, P*R, in]`
-    (P parts stacked) and B `[S, out, P*R]` (block-diagonal), S = --max-loras, R = --max-lora-rank."""
+    """The adapters a step may use, preallocated: per layer and fused projection, A^T `[S, in, P*R]`
+    (P parts side by side) and B^T `[S, P*R, out]` (block-diagonal), S = --max-loras,
+    R = --max-lora-rank. `orders`: a projection's output columns as its packed weight orders
+    them (Linear.order, where an epilogue needs one), which B^T's columns then follow."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, orders: dict[str, torch.Tensor | None] | None = None) -> None:
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
         self.shapes = module_shapes(cfg)
+        self.orders = orders or {}
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
         for _ in range(cfg.num_hidden_layers):
@@ -184,8 +187,8 @@ class LoRASlots:
             self.b.append({})
             for g, (n_out, n_in) in group_shapes(cfg).items():
                 pr = len(GROUPS[g]) * max_rank
-                self.a[-1][g] = torch.zeros(num_slots, pr, n_in, dtype=dtype, device=device)
-                self.b[-1][g] = torch.zeros(num_slots, n_out, pr, dtype=dtype, device=device)
+                self.a[-1][g] = torch.zeros(num_slots, n_in, pr, dtype=dtype, device=device)
+                self.b[-1][g] = torch.zeros(num_slots, pr, n_out, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -198,58 +201,65 @@ class LoRASlots:
             for g, parts in GROUPS.items():
                 a, b = a_g[g][slot], b_g[g][slot]
                 a.zero_()
-                b.zero_()
+                b_t = torch.zeros(b.shape[1], b.shape[0], dtype=b.dtype, device=b.device)  # [out, P*R]
                 row = 0
                 for p, module in enumerate(parts):
                     n_out = self.shapes[module][0]
                     w = adapter.weights.get((layer, module))
                     if w is not None:
                         k = w[0].shape[0]
-                        a[p * r:p * r + k].copy_(w[0])
-                        b[row:row + n_out, p * r:p * r + k].copy_(w[1])
+                        a[:, p * r:p * r + k].copy_(w[0].t())
+                        b_t[row:row + n_out, p * r:p * r + k].copy_(w[1])
                     row += n_out
+                order = self.orders.get(g)
+                b.copy_((b_t if order is None else b_t[order.to(b.device)]).t())
 
 
 @dataclass
 class LoRABatch:
-    """A step's rows that run with an adapter, grouped by slot: `rows` (token rows, ascending within
-    a segment) and `segments` (slot, start, end) over them."""
-    rows_np: np.ndarray
+    """A step's rows that run with an adapter: rows lo..hi, in segments (slot, start, end) of
+    rows sharing a slot, ascending (the runner orders a step's requests by slot, base rows first).
+    Where padding every slot's segment to the longest wastes little (decode), one batched GEMM
+    over all slots replaces the loop over segments: `pad_index` gathers the padded rows,
+    `valid_index` picks the real ones back."""
+    lo: int
+    hi: int
     segments: list[tuple[int, int, int]]
-    rows: torch.Tensor
+    num_slots: int
+    pad_len: int = 0
+    pad_index: torch.Tensor | None = None
+    valid_index: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, row_slots: list[tuple[int, int, int]], device: torch.device) -> "LoRABatch | None":
-        """row_slots: (slot, first row, end row) of each scheduled entry with an adapter."""
-        if not row_slots:
-            return None
-        row_slots = sorted(row_slots)
-        rows, segments, at = [], [], 0
-        for slot, lo, hi in row_slots:
-            rows.append(np.arange(lo, hi, dtype=np.int64))
-            if segments and segments[-1][0] == slot:
-                segments[-1] = (slot, segments[-1][1], at + hi - lo)
-            else:
-                segments.append((slot, at, at + hi - lo))
-            at += hi - lo
-        rows_np = np.concatenate(rows)
-        return cls(rows_np, segments, torch.from_numpy(rows_np).to(device))
-
-    def restrict(self, out_rows: torch.Tensor) -> "LoRABatch | None":
-        """The same batch over the rows `out_rows` keeps (LlamaModel.forward's last layer),
-        renumbered as positions in out_rows."""
-        keep = out_rows.cpu().numpy()
-        mask = np.isin(self.rows_np, keep)
-        segments, at = [], 0
-        for slot, lo, hi in self.segments:
-            n = int(mask[lo:hi].sum())
-            if n:
-                segments.append((slot, at, at + n))
-                at += n
+    def build(cls, segments: list[tuple[int, int, int]], num_slots: int, device: torch.device) -> "LoRABatch | None":
+        segments = [s for s in segments if s[2] > s[1]]
         if not segments:
             return None
-        rows_np = np.searchsorted(keep, self.rows_np[mask]).astype(np.int64)
-        return LoRABatch(rows_np, segments, torch.from_numpy(rows_np).to(self.rows.device))
+        lo, hi = segments[0][1], segments[-1][2]
+        rel = [(slot, a - lo, b - lo) for slot, a, b in segments]
+        batch = cls(lo, hi, rel, num_slots)
+        longest = max(b - a for _, a, b in rel)
+        if num_slots * longest <= 2 * (hi - lo):
+            pad = np.zeros((num_slots, longest), dtype=np.int64)
+            valid = []
+            for slot, a, b in rel:
+                pad[slot, :b - a] = np.arange(a, b)
+                valid.append(slot * longest + np.arange(b - a))
+            batch.pad_len = longest
+            flat, valid = pad.reshape(-1), np.concatenate(valid)
+            if flat.size == hi - lo and (flat == np.arange(flat.size)).all():
+                return batch  # every slot one segment of the same length, in order: no padding to do
+            batch.pad_index = torch.from_numpy(flat).to(device)
+            batch.valid_index = torch.from_numpy(valid).to(device)
+        return batch
+
+    def restrict(self, out_rows: torch.Tensor, device: torch.device) -> "LoRABatch | None":
+        """The same batch over the rows `out_rows` keeps (LlamaModel.forward's last layer),
+        renumbered as positions in out_rows (a segment's kept rows stay contiguous there)."""
+        keep = out_rows.cpu().numpy()
+        segments = [(slot, int(np.searchsorted(keep, self.lo + a)), int(np.searchsorted(keep, self.lo + b)))
+                    for slot, a, b in self.segments]
+        return LoRABatch.build(segments, self.num_slots, device)
 
 
 class LoRAStep:
@@ -258,19 +268,32 @@ class LoRAStep:
     def __init__(self, slots: LoRASlots, batch: LoRABatch) -> None:
         self.slots, self.batch = slots, batch
 
+    @property
+    def rows(self) -> slice:
+        return slice(self.batch.lo, self.batch.hi)
+
     def restrict(self, out_rows: torch.Tensor) -> "LoRAStep | None":
-        batch = self.batch.restrict(out_rows)
+        batch = self.batch.restrict(out_rows, out_rows.device)
         return None if batch is None else LoRAStep(self.slots, batch)
 
+    def delta(self, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
+        """x[rows] A^T B^T for each segment's adapter, `[hi - lo, out]` in the slots' dtype."""
+        b = self.batch
+        a_t, b_t = self.slots.a[layer][group], self.slots.b[layer][group]
+        xs = x[b.lo:b.hi]
+        if xs.dtype != a_t.dtype:
+            xs = xs.to(a_t.dtype)
+        if b.pad_len:
+            padded = xs if b.pad_index is None else xs.index_select(0, b.pad_index)
+            out = torch.bmm(torch.bmm(padded.view(b.num_slots, b.pad_len, -1), a_t), b_t)
+            out = out.view(-1, out.shape[-1])
+            return out if b.valid_index is None else out.index_select(0, b.valid_index)
+        out = torch.empty(xs.shape[0], b_t.shape[-1], dtype=a_t.dtype, device=xs.device)
+        for slot, lo, hi in b.segments:
+            torch.mm(torch.mm(xs[lo:hi], a_t[slot]), b_t[slot], out=out[lo:hi])
+        return out
+
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
-        """y[rows] += x[rows] A^T B^T for each segment's adapter (y `[T, out]` in place)."""
-        batch = self.batch
-        a_all, b_all = self.slots.a[layer][group], self.slots.b[layer][group]
-        xs = x.index_select(0, batch.rows)
-        if xs.dtype != a_all.dtype:
-            xs = xs.to(a_all.dtype)
-        delta = torch.empty(xs.shape[0], b_all.shape[1], dtype=a_all.dtype, device=xs.device)
-        for slot, lo, hi in batch.segments:
-            torch.mm(torch.mm(xs[lo:hi], a_all[slot].t()), b_all[slot].t(), out=delta[lo:hi])
-        y.index_add_(0, batch.rows, delta.to(y.dtype))
+        """y[rows] += the delta (y `[T, out]`, in place)."""
+        y[self.batch.lo:self.batch.hi] += self.delta(x, layer, group)  # rounded to y's dtype once
         return y

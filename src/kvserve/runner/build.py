@@ -122,17 +122,18 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
                     residual_pool_bytes(reserved_bytes, args.max_num_seqs, num_blocks), lora_bytes)
 
 
-def lora_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
-    """--lora-dtype resolved: auto is the model's dtype."""
+def lora_dtype(args: EngineArgs, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--lora-dtype resolved: auto is the model's dtype (float32 slots measured no faster on CPU
+    end to end, at twice the memory: bench/NOTES.md)."""
     return dtype if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype)
 
 
-def lora_slot_bytes(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype) -> int:
+def lora_slot_bytes(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
     """What the --max-loras adapter slots of --max-lora-rank take (0 without --enable-lora)."""
     if not args.enable_lora:
         return 0
     from kvserve.model.lora import slot_bytes
-    return args.max_loras * slot_bytes(cfg, args.max_lora_rank, lora_dtype(args, dtype))
+    return args.max_loras * slot_bytes(cfg, args.max_lora_rank, lora_dtype(args, dtype, device))
 
 
 def kv_budget_for(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -142,7 +143,7 @@ def kv_budget_for(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device
     bpb = kv_cache_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype, dtype)
     reserved = 0 if static_fp8_scales else kv_cache_reserved_bytes(cfg, args.block_size, args.kv_cache_dtype,
                                                                    dtype, args.max_num_seqs)
-    return size_kv_pool(args, cfg, bpb, device, gpu_budget_bytes, reserved, lora_slot_bytes(args, cfg, dtype))
+    return size_kv_pool(args, cfg, bpb, device, gpu_budget_bytes, reserved, lora_slot_bytes(args, cfg, dtype, device))
 
 
 def _static_fp8_scales(args: EngineArgs, weights: dict) -> bool:
@@ -184,7 +185,7 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
         disable_cascade_attn=args.disable_cascade_attn, cuda_graph_sizes=tuple(cuda_graph_sizes(args, device)),
         max_model_len=budget.max_model_len, num_residual_blocks=quantized.residual_blocks_for(args.max_num_seqs),
         kv_scales=kv_scales, max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, lora_dtype=lora_dtype(args, dtype)),
+        max_cpu_loras=args.max_cpu_loras, lora_dtype=lora_dtype(args, dtype, device)),
         weight_codes=None if args.quantization == "none" else loaded.codes)
     start = time.perf_counter()
     runner.warm_up(min(args.resolved_max_num_batched_tokens(budget.max_model_len), budget.max_model_len - 1))

@@ -3,6 +3,7 @@
 rows grouped by slot for model/lora.py."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import Counter, OrderedDict
@@ -12,7 +13,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.core.lora import LoRARequest, adapter_key
-from kvserve.core.step import ScheduledRequest
+from kvserve.core.step import ScheduledRequest, SchedulerOutput
 from kvserve.model.lora import LoRAAdapter, LoRABatch, LoRASlots, LoRAStep, adapter_digest, load_adapter
 
 logger = logging.getLogger(__name__)
@@ -20,9 +21,9 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, orders: dict | None = None) -> None:
         self.cfg, self.max_rank, self.max_cpu_loras, self.dtype = cfg, max_rank, max_cpu_loras, dtype
-        self.slots = LoRASlots(cfg, max_loras, max_rank, dtype, device)
+        self.slots = LoRASlots(cfg, max_loras, max_rank, dtype, device, orders)
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # key -> adapter, least recent first
         self.pins: Counter[str] = Counter()  # key -> unfinished requests using it
         self.slot_keys: list[str | None] = [None] * max_loras
@@ -99,16 +100,30 @@ class LoRAManager:
         self._slot_order.move_to_end(slot)
         return slot
 
-    def step(self, scheduled: Sequence[ScheduledRequest], query_start_loc: Sequence[int],
-             device: torch.device) -> LoRAStep | None:
-        """The step's rows with an adapter, grouped by slot (adapters loaded into slots as needed)."""
-        keys = {s.request.lora_id for s in scheduled if s.request.lora_id is not None}
+    def arrange(self, out: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, int]]:
+        """The step with its adapters in slots (loaded as needed) and its requests ordered by slot,
+        base-model requests first, so that each adapter's rows are one contiguous segment."""
+        keys = {s.request.lora_id for s in out.scheduled if s.request.lora_id is not None}
         if not keys:
-            return None
+            return out, {}
         slot_of = {k: self._slot_for(k, keys) for k in keys}
-        rows = [(slot_of[s.request.lora_id], int(query_start_loc[i]), int(query_start_loc[i + 1]))
-                for i, s in enumerate(scheduled) if s.request.lora_id is not None]
-        return LoRAStep(self.slots, LoRABatch.build(rows, device))
+        order = sorted(out.scheduled, key=lambda s: -1 if s.request.lora_id is None else slot_of[s.request.lora_id])
+        return dataclasses.replace(out, scheduled=order), slot_of
+
+    def step(self, scheduled: Sequence[ScheduledRequest], query_start_loc: Sequence[int], slot_of: dict[str, int],
+             device: torch.device) -> LoRAStep | None:
+        """The step's rows with an adapter as segments of one slot each (after arrange())."""
+        segments: list[tuple[int, int, int]] = []
+        for i, s in enumerate(scheduled):
+            if s.request.lora_id is None:
+                continue
+            slot, lo, hi = slot_of[s.request.lora_id], int(query_start_loc[i]), int(query_start_loc[i + 1])
+            if segments and segments[-1][0] == slot:
+                segments[-1] = (slot, segments[-1][1], hi)
+            else:
+                segments.append((slot, lo, hi))
+        batch = LoRABatch.build(segments, self.slots.num_slots, device)
+        return None if batch is None else LoRAStep(self.slots, batch)
 
     def active_adapters(self) -> list[str]:
         return [k for k in self.slot_keys if k is not None]

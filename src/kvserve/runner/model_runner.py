@@ -93,9 +93,10 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.lora: LoRAManager | None = None
         if config.max_loras:
+            gate_up = self.model.layers[0].gate_up_proj  # its SiLU epilogue's column order, which deltas follow
             self.lora = LoRAManager(model_config, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, config.lora_dtype or self.dtype,
-                                    self.device)
+                                    self.device, {"gate_up": gate_up.order if gate_up.epilogue else None})
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:
             self._capture(list(config.cuda_graph_sizes), config.max_model_len or model_config.max_position_embeddings)
@@ -157,6 +158,9 @@ class ModelRunner:
             self.sampler.forget(out.finished_req_ids)
         if out.is_empty:
             return ModelRunnerOutput()
+        lora_slots: dict[str, int] = {}
+        if self.lora is not None:
+            out, lora_slots = self.lora.arrange(out)
         sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample and not s.spec_token_ids]
         guessing = [(i, s) for i, s in enumerate(out.scheduled) if s.spec_token_ids]
         if self._replays(out):
@@ -171,7 +175,7 @@ class ModelRunner:
             input_ids, meta = self.build_metadata(out)
             logit_rows = self._logit_rows(sampling, guessing, meta.query_start_loc)
             trimmed = self._trims(out, logit_rows, meta.num_tokens)
-            lora = self.lora.step(out.scheduled, meta.query_start_loc, self.device) if self.lora else None
+            lora = self.lora.step(out.scheduled, meta.query_start_loc, lora_slots, self.device) if lora_slots else None
             hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache,
                                         torch.tensor(logit_rows, dtype=torch.long, device=self.device) if trimmed else None,
                                         **({"lora": lora} if lora is not None else {}))
