@@ -271,7 +271,8 @@ class AsyncLLM:
             self._cv.notify()
 
     async def add_request(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
-                          cache_salt: str | None = None, final_only: bool = False) -> "RequestStream":
+                          cache_salt: str | None = None, final_only: bool = False,
+                          lora_request=None) -> "RequestStream":
         """Admit a request; raises the engine's RequestError before anything is streamed.
         `final_only`: the stream yields only the finished (cumulative) output.
 
@@ -283,7 +284,8 @@ class AsyncLLM:
                                mergeable=params.output_kind == RequestOutputKind.CUMULATIVE)
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+            self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                    lora_request=lora_request)
             self._streams[request_id] = stream._sink
 
         self._adding += 1

@@ -483,6 +483,11 @@ class LLMEngine:
             last_step_tokens=self.last_step_tokens, spec_decode_num_drafts=self.scheduler.num_drafts,
             spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens)
+        if self.runner.lora is not None:
+            def names(reqs) -> tuple[str, ...]:
+                return tuple(sorted({r.lora_id.rpartition("@")[0] for r in reqs if r.lora_id is not None}))
+            stats.running_lora_adapters = names(self.scheduler.running)
+            stats.waiting_lora_adapters = names(self.scheduler.waiting)
         if self.kv_tiers is not None:
             self._tier_stats(stats)
         return stats
