@@ -173,3 +173,23 @@ def test_slot_memory_is_charged_before_the_kv_cache(tiny):
     assert charged == with_lora.runner.lora.slots.nbytes > 0
     assert with_lora.setup.num_blocks == (8 * 2**20 - charged) // base.setup.budget.bytes_per_block
     assert with_lora.setup.num_blocks < base.setup.num_blocks
+
+
+@pytest.mark.slow
+def test_smollm2_adapters_mixed_with_the_base_model_equal_peft(smollm2_hf, tmp_path):
+    """The embedded SmolLM2 (float32) with two random adapters and the base model in one batch."""
+    paths = {"x": make_adapter(smollm2_hf, tmp_path / "x", r=8, seed=31, magnitude=0.5),
+             "y": make_adapter(smollm2_hf, tmp_path / "y", r=16, seed=32, rslora=True, magnitude=0.5,
+                               targets=("q_proj", "v_proj", "gate_proj", "down_proj"))}
+    llm = LLM(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, kv_cache_memory=128 * 2**20,
+              max_model_len=512)
+    prompts = [llm.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
+                                                  "Once upon a time")]
+    names = ["x", "y", None]
+    reqs = [None if n is None else LoRARequest(n, i + 1, paths[n]) for i, n in enumerate(names)]
+    outs = llm.generate(prompts, greedy(6), lora_request=reqs, use_tqdm=False)
+    with peft_reference(smollm2_hf, paths) as select:
+        expect = [hf_greedy(select(n), p, 6) for p, n in zip(prompts, names)]
+        base = [hf_greedy(select(None), p, 6) for p in prompts[:2]]
+    assert [o.outputs[0].token_ids for o in outs] == expect
+    assert expect[:2] != base  # the adapters change the output
