@@ -134,7 +134,7 @@ def test_user_mistakes_name_the_problem(llm):
     with pytest.raises(RequestError, match="prompt_token_ids is a string"):
         llm.generate({"prompt_token_ids": llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": "hi"}], tokenize=False)}, use_tqdm=False)
-    with pytest.raises(ValueError, match="LoRA adapters are not implemented"):
+    with pytest.raises(RequestError, match="lora_request must be a kvserve.LoRARequest, got object"):
         llm.generate("x", lora_request=object())
     # Refused when constructed, as vLLM does
     with pytest.raises(SamplingParamsError, match="n must be an integer >= 1"):

@@ -54,7 +54,7 @@ def test_server_defaults():
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
     (["--quantization", "awq"], "invalid choice: 'awq'"),
-    (["--enable-lora"], "LoRA"),
+    (["--max-loras", "many"], "invalid int value: 'many'"),
     (["--kv-transfer-config", "{}"], "disaggregated prefill"),
     (["--speculative-config", "[4]"], "a JSON object"),
     (["--kv-cache-memory", "lots"], "cannot parse 'lots'"),

@@ -1,5 +1,6 @@
 """kvserve: an LLM inference engine built around KV-cache management."""
 from kvserve.config import EngineArgs
+from kvserve.core.lora import LoRARequest
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.version import __version__
 
@@ -11,4 +12,4 @@ def __getattr__(name):  # keep `import kvserve` light: torch loads only when the
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "LoRARequest", "__version__"]

@@ -128,7 +128,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["type"] = _json_object
         elif f.name == "kv_events_config":
             kwargs["type"] = str  # parsed by EngineArgs.validate, whose errors name the key
-        elif f.name == "served_model_name":
+        elif f.name in ("served_model_name", "lora_modules"):
             kwargs["nargs"] = "+"
         else:
             kwargs["type"] = base
@@ -254,7 +254,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     config = ServingConfig(served_model_names=names, max_logprobs=llm.max_logprobs,
                            enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len,
                            response_role=ns.response_role, cors=cors, scheduling_policy=args.scheduling_policy,
-                           disable_docs=ns.disable_fastapi_docs, max_queued_requests=ns.max_queued_requests)
+                           disable_docs=ns.disable_fastapi_docs, max_queued_requests=ns.max_queued_requests,
+                           lora_modules=args.lora_module_paths)
     app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes)
     s = llm.latest_stats
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",

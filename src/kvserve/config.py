@@ -42,8 +42,6 @@ VLLM_REFUSED = {
     "tensor_parallel_size": ("1", "kvserve runs one device per process; tensor parallelism is not implemented"),
     "pipeline_parallel_size": ("1", "pipeline parallelism is not implemented"),
     "data_parallel_size": ("1", "data parallelism is not implemented; run one server per device"),
-    "enable_lora": (None, "LoRA adapters are not implemented"),
-    "lora_modules": (None, "LoRA adapters are not implemented"),
     "kv_transfer_config": (None, "KV transfer / disaggregated prefill is not implemented"),
     "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
     "load_format": (("auto", "safetensors", "gguf"), "only safetensors directories and GGUF files are loaded, "
@@ -369,6 +367,18 @@ class EngineArgs:
                                       "steps", "Kernels")
     max_cudagraph_capture_size: int = _arg(512, "CUDA: largest decode batch captured as a CUDA graph (larger "
                                                 "batches run eagerly)", "Kernels")
+    # LoRA
+    enable_lora: bool = _arg(False, "If True, enable handling of LoRA adapters.", "LoRA")
+    lora_modules: list[str] | None = _arg(
+        None, "LoRA module configurations in either 'name=path' format or JSON format: "
+              "'{\"name\": \"name\", \"path\": \"lora_path\", \"base_model_name\": \"id\"}' (several may follow "
+              "the flag)", "LoRA")
+    max_loras: int = _arg(1, "Max number of LoRAs in a single batch.", "LoRA")
+    max_lora_rank: int = _arg(16, "Max LoRA rank.", "LoRA")
+    max_cpu_loras: int | None = _arg(None, "Maximum number of LoRAs to store in CPU memory. Must be >= than "
+                                           "`max_loras`.", "LoRA")
+    lora_dtype: str = _arg("auto", "Data type for LoRA. If auto, will default to base model dtype.", "LoRA",
+                           ("auto", "float32", "bfloat16", "float16"))
     # Logging and debugging
     check_integrity: bool = _arg(False, "verify block accounting after every step (slow; debugging)",
                                  "Logging and debugging")
@@ -439,6 +449,26 @@ class EngineArgs:
         self.speculative  # raises ConfigError on a malformed --speculative-config
         self.kv_events  # and on a malformed --kv-events-config
         self._validate_tiers()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules was given without --enable-lora; add --enable-lora")
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras must be >= 1 (got {self.max_loras})")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank must be >= 1 (got {self.max_lora_rank})")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
+        self.lora_dtype = DTYPE_ALIASES.get(self.lora_dtype, self.lora_dtype)
+        if self.lora_dtype not in DTYPES:
+            raise ConfigError(f"--lora-dtype must be one of {', '.join(DTYPES)} (got {self.lora_dtype!r})")
+        self.lora_module_paths  # raises ConfigError on a malformed --lora-modules entry
+
+    @property
+    def lora_module_paths(self) -> list[LoRAModulePath]:
+        """--lora-modules parsed: 'name=path' or vLLM's JSON object form."""
+        return [parse_lora_module(m) for m in self.lora_modules or []]
 
     def _validate_tiers(self) -> None:
         if self.cpu_offload_gb < 0:
@@ -501,6 +531,37 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
 
+@dataclass(frozen=True)
+class LoRAModulePath:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(entry: Any) -> LoRAModulePath:
+    """One --lora-modules value: 'name=path', or '{"name": ..., "path": ..., "base_model_name": ...}'."""
+    if isinstance(entry, dict):
+        obj = entry
+    elif isinstance(entry, str) and entry.strip().startswith("{"):
+        try:
+            obj = json.loads(entry)
+        except ValueError as e:
+            raise ConfigError(f"--lora-modules {entry!r} is not valid JSON ({e}); use name=path or "
+                              f"'{{\"name\": ..., \"path\": ...}}'") from None
+    elif isinstance(entry, str) and "=" in entry:
+        name, _, path = entry.partition("=")
+        obj = {"name": name.strip(), "path": path.strip()}
+    else:
+        raise ConfigError(f"--lora-modules {entry!r} is neither name=path nor a JSON object with name and path")
+    if not isinstance(obj, dict) or not obj.get("name") or not obj.get("path"):
+        raise ConfigError(f"--lora-modules {entry!r} needs a non-empty name and path")
+    unknown = sorted(set(obj) - {"name", "path", "base_model_name"})
+    if unknown:
+        raise ConfigError(f"--lora-modules {entry!r}: unknown keys {unknown}; the keys are name, path and "
+                          f"base_model_name")
+    return LoRAModulePath(str(obj["name"]), str(obj["path"]), obj.get("base_model_name"))
+
+
 @dataclass
 class SchedulerConfig:
     """What the scheduler reads, under EngineArgs' names, with the values resolved (the budget and
@@ -514,6 +575,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     speculative_config: SpeculativeConfig | None = None
     cache_aware_window: int = 128  # how many waiting requests the cache-aware pass ranks (no flag)
+    max_loras: int | None = None  # distinct adapters among running requests (None: no LoRA)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
@@ -522,7 +584,7 @@ class SchedulerConfig:
                    max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                    enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
                    cache_aware_scheduling=args.cache_aware_scheduling, preemption_mode=args.preemption_mode,
-                   speculative_config=args.speculative)
+                   speculative_config=args.speculative, max_loras=args.max_loras if args.enable_lora else None)
 
 
 @dataclass

@@ -65,6 +65,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "allow --max-model-len above the model's max_position_embeddings (as vLLM's variable)"),
     EnvVar("VLLM_ALLOW_LONG_MAX_MODEL_LEN", parse_bool, lambda: False,
            "vLLM's name for KVSERVE_ALLOW_LONG_MAX_MODEL_LEN, honoured as well"),
+    EnvVar("VLLM_ALLOW_RUNTIME_LORA_UPDATING", parse_bool, lambda: False,
+           "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's variable)"),
     EnvVar("VLLM_ENABLE_V1_MULTIPROCESSING", parse_bool, lambda: True,
            "the server's engine core (scheduling and the model) runs in a process of its own; 0 runs "
            "it on a thread of the API server's process (vLLM's variable)"),

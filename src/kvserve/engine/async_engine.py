@@ -134,6 +134,7 @@ class AsyncLLM:
         self.args = args if args is not None else engine.args
         info = info or engine_info(engine)
         self.tokenizer = info["tokenizer"]
+        self.model_config = info["model_config"]
         self.max_model_len: int = info["max_model_len"]
         self.max_logprobs: int = info["max_logprobs"]
         self.sampling_defaults: dict = info["sampling_defaults"]
@@ -279,7 +280,8 @@ class AsyncLLM:
             self.client.send((ABORT, [request_id], ABORT_CLIENT))
 
     async def add_request(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
-                          cache_salt: str | None = None, final_only: bool = False) -> "RequestStream":
+                          cache_salt: str | None = None, final_only: bool = False,
+                          lora_request=None) -> "RequestStream":
         """Admit a request; raises the engine's RequestError before anything is streamed.
         `final_only`: the stream yields only the finished (cumulative) output.
 
@@ -301,7 +303,7 @@ class AsyncLLM:
             self._calls[call_id] = fut
         self._adding += 1
         try:
-            self.client.send((ADD, call_id, request_id, prompt, params, priority, cache_salt))
+            self.client.send((ADD, call_id, request_id, prompt, params, priority, cache_salt, lora_request))
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still run; this abort is queued after it

@@ -14,7 +14,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Front end -> core messages: (ADD, call_id, request_id, prompt, params, priority, cache_salt),
+# Front end -> core messages: (ADD, call_id, request_id, prompt, params, priority, cache_salt,
+# lora_request),
 # (ABORT, request_ids, reason), (CALL, call_id, engine method name, args), (SHUTDOWN,).
 ADD, ABORT, CALL, SHUTDOWN = "add", "abort", "call", "shutdown"
 # Why a request ended unfinished (the request log's abort_reason).
@@ -58,9 +59,10 @@ class EngineCore:
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == ADD:
-            _, call_id, request_id, prompt, params, priority, cache_salt = msg
+            _, call_id, request_id, prompt, params, priority, cache_salt, lora_request = msg
             try:
-                self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+                self.engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                        lora_request=lora_request)
             except Exception as e:  # RequestError: the front end raises it to its caller
                 self._replies.append((call_id, False, e))
                 return
@@ -139,6 +141,6 @@ class EngineCore:
 
 def engine_info(engine) -> dict[str, Any]:
     """What a front end needs of an engine it does not hold (the core process's first message)."""
-    return {"tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len,
+    return {"tokenizer": engine.tokenizer, "model_config": engine.model_config, "max_model_len": engine.max_model_len,
             "max_logprobs": engine.max_logprobs, "sampling_defaults": engine.sampling_defaults,
             "stats": engine.get_stats()}

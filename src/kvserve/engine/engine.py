@@ -25,6 +25,7 @@ from kvserve.config import ConfigError, EngineArgs, SchedulerConfig
 from kvserve.core.kv_compression import KVCompressionError
 from kvserve.core.kv_compression import active as active_compression
 from kvserve.core.kv_compression import check_kv_compression, parse_kv_compression
+from kvserve.core.lora import LoRARequest
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.engine.detokenizer import IncrementalDetokenizer, token_text_cache
@@ -32,6 +33,7 @@ from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, Requ
                                     RequestProgress)
 from kvserve.kv.events import KVEventSink
 from kvserve.kv.manager import KVCacheManager
+from kvserve.model.lora import LoRAError
 from kvserve.runner.build import EngineSetup, build_engine_parts
 from kvserve.sched.scheduler import Scheduler
 
@@ -194,7 +196,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -205,6 +207,7 @@ class LLMEngine:
         params = self._with_kv_compression(params)
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
         params = self._resolve_max_tokens(params, len(prompt_ids))
+        lora_id = self._resolve_lora(lora_request, params.n)  # held until each sequence ends
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = frozenset(self.tokenizer.eos_token_ids)
         seqs: list[_Sequence] = []
@@ -216,7 +219,7 @@ class LLMEngine:
                                     prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, prompt_ids, p, eos_token_ids=eos, arrival_time=arrival,
-                          priority=priority, cache_salt=cache_salt,
+                          priority=priority, cache_salt=cache_salt, lora_id=lora_id,
                           parent_id=None if i == 0 or not self.args.enable_prefix_caching
                           else f"{request_id}#0")
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
@@ -259,6 +262,21 @@ class LLMEngine:
         except KVCompressionError as e:
             raise RequestError(str(e), "kv_compression") from None
         return params
+    def _resolve_lora(self, lora_request: LoRARequest | None, sequences: int) -> str | None:
+        """The request's adapter key (loading the adapter if needed, held in host memory for its
+        sequences), or None for the base model."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(f"lora_request must be a kvserve.LoRARequest, got {type(lora_request).__name__}",
+                               "lora_request")
+        if self.runner.lora is None:
+            raise RequestError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled; create the engine "
+                               f"with enable_lora=True (--enable-lora)", "lora_request")
+        try:
+            return self.runner.lora.resolve(lora_request, sequences)
+        except LoRAError as e:
+            raise RequestError(f"LoRA adapter {lora_request.lora_name!r}: {e}", "lora_request") from None
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if not isinstance(prompt, (str, list, tuple)):
@@ -481,6 +499,8 @@ class LLMEngine:
         if done:
             self._groups.pop(group.request_id, None)
             for s in group.seqs:
+                if s.req.lora_id is not None and self._seq_of.get(s.req.request_id) is s:
+                    self.runner.lora.unpin(s.req.lora_id)
                 self._seq_of.pop(s.req.request_id, None)
                 self._group_of.pop(s.req.request_id, None)
         first_seq = group.seqs[0]
@@ -520,6 +540,11 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens,
             kv_released_blocks=dict(self.kv.num_released))
+        if self.runner.lora is not None:
+            def names(reqs) -> tuple[str, ...]:
+                return tuple(sorted({r.lora_id.rpartition("@")[0] for r in reqs if r.lora_id is not None}))
+            stats.running_lora_adapters = names(self.scheduler.running)
+            stats.waiting_lora_adapters = names(self.scheduler.waiting)
         if self.kv_tiers is not None:
             self._tier_stats(stats)
         return stats

@@ -14,6 +14,7 @@ import random
 from typing import Sequence
 
 from kvserve.config import EngineArgs, vllm_only_args
+from kvserve.core.lora import LoRARequest
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestError, RequestOutput
@@ -100,11 +101,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: None = None,
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Prompts as strings, token-id lists or vLLM's prompt dicts; results in the order given."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not implemented in kvserve")
+        """Prompts as strings, token-id lists or vLLM's prompt dicts; results in the order given.
+        `lora_request`: one adapter for every prompt, or a list of one per prompt (None: the base model)."""
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of "
                             f"those; got {type(prompts).__name__}")
@@ -131,12 +131,17 @@ class LLM:
             if any(priority) and self.engine.args.scheduling_policy != "priority":  # as vLLM: 0 is no priority
                 raise ValueError(f"got priority {next(p for p in priority if p)} but the scheduling policy is "
                                  f"fcfs; create the LLM with scheduling_policy='priority'")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests; give one LoRARequest, "
+                             f"or a list of one (or None) per prompt")
         ids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
             try:
                 text_or_ids, salt = _prompt_input(prompt)
-                self.engine.add_request(rid, text_or_ids, p, priority=priority[i] if priority else 0, cache_salt=salt)
+                self.engine.add_request(rid, text_or_ids, p, priority=priority[i] if priority else 0, cache_salt=salt,
+                                        lora_request=loras[i])
             except RequestError as e:
                 # All or nothing, as vLLM: the call's requests added so far must not stay queued.
                 self.engine.abort_request(ids)
@@ -150,7 +155,7 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             lora_request: None = None, chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: each conversation rendered with the model's chat template."""

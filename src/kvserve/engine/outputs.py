@@ -114,6 +114,9 @@ class RequestOutput:
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
+    # LoRA adapters (names) of running and waiting requests (vllm:lora_requests_info)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
     num_blocks_total: int = 0
     num_blocks_free: int = 0
     num_blocks_used: int = 0

@@ -2,7 +2,8 @@
 
 A block's hash is SHA-256 over (parent block hash, its token ids), so equal hashes mean equal
 prefixes from the first token on. The chain starts at a root hash over the request's extra keys —
-anything that changes the K/V of the same tokens (KV dtype, LoRA adapter, a tenant's cache salt) —
+anything that changes the K/V of the same tokens (KV dtype, LoRA adapter name and content digest,
+a tenant's cache salt) —
 so requests that differ in any of them never share a block. SHA-256 makes a collision a practical
 impossibility; the manager still compares token ids on every hit, so even a broken hash could not
 serve wrong K/V. Digests are stable across processes, which the offload tiers rely on.

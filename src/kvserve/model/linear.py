@@ -63,6 +63,13 @@ PLAIN = Epilogue(_PLAIN_KIND)
 SILU_MUL = Epilogue(_SILU_MUL_KIND)
 
 
+def silu_mul_tiles(ops, gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of a gate/up output `[T, 2I]` in the SiLU epilogue's column order (tiles
+    of 32 gate then the same 32 up columns): each 64 columns are one (gate | up) row of 32."""
+    t, two_i = gate_up.shape
+    return ops.silu_mul(gate_up.reshape(t * two_i // 64, 64)).view(t, two_i // 2)
+
+
 def rope_epilogue(head_dim: int, rope_cols: int) -> Epilogue:
     return Epilogue(_ROPE_KIND, head_dim, rope_cols)
 
@@ -97,7 +104,8 @@ def _mkldnn_linear_available() -> bool:
 class Linear:
     """y = x W^T (+ b) for a fixed weight `[out, in]`; packs the weight when that pays."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "gemm", "codes", "epilogue")
+    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "gemm", "codes", "epilogue",
+                 "order")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
                  epilogue: Epilogue | None = None, codes: GGUFBlocks | None = None) -> None:
@@ -110,6 +118,7 @@ class Linear:
         self.gemm = None  # (kernel, operand): gemm_bf16.cpp's packed weight, or gemm_amx.cpp's GGUF codes
         self.codes = None  # the GGUF type ("Q4_1", "Q8_0") where the operand is codes
         self.epilogue = None
+        self.order = None  # the packed weight's row order where an epilogue needs one (plain())
         if (pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bias is None
                 and n % 64 == 0):
             from kvserve.ops.cpu_kernels import gemm_bf16_kernels
@@ -117,6 +126,7 @@ class Linear:
             if kernels is not None and k % kernels.k_multiple == 0:
                 order = _epilogue_order(epilogue, n) if epilogue is not None else None
                 self.epilogue = epilogue if order is not None else None
+                self.order = order
                 self.weight = None
                 if codes is not None and kernels.k_multiple == 32 and self._take_codes(codes, order, n, k):
                     return
@@ -149,6 +159,20 @@ class Linear:
             codes = GGUFBlocks(codes.qtype, codes.blocks[order], codes.cols)
         self.gemm, self.codes = (kernel, pack_tiles(codes)), codes.qtype
         return True
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) `[T, out]` without the epilogue, its columns in `self.order` where there is
+        one (the packed weight's row order; undoing it would cost a gather of the output): what a
+        LoRA delta, permuted the same way, adds to before the SiLU pass (model/lora.py)."""
+        if self.epilogue is None:
+            return self(x)
+        kernel, operand = self.gemm
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        if rows.shape[0]:
+            kernel(rows.data_ptr(), rows.shape[0], self.in_features, operand.data_ptr(), self.out_features,
+                   y.data_ptr(), _PLAIN_KIND, 0, 0, 0, 0)
+        return y
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor | None = None,
                  sin_signed: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,8 @@ from kvserve.cache.base import KVCache
 from kvserve.config import ModelConfig
 from kvserve.model import cpu_decoder
 from kvserve.model.fused import ElementwiseOps
-from kvserve.model.linear import SILU_MUL, Epilogue, Linear, rope_epilogue
+from kvserve.model.linear import SILU_MUL, Epilogue, Linear, rope_epilogue, silu_mul_tiles
+from kvserve.model.lora import LoRAStep
 from kvserve.model.weight_codes import GGUFBlocks
 from kvserve.model.weight_codes import cat as weight_codes_cat
 
@@ -151,17 +152,20 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                kv_cache: KVCache, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache: KVCache, out_rows: torch.Tensor | None = None,
+                lora: LoRAStep | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden], or of out_rows only
         (strictly ascending int64 row indices on the model's device): the last layer's o
         projection and MLP then run on those rows alone. A prompt chunk's other rows feed nothing
         there (their K and V, all that later tokens read, come from the q/k/v projection), so a
-        prefill step skips 1/num_layers of its o and MLP work; the rows kept are unchanged."""
+        prefill step skips 1/num_layers of its o and MLP work; the rows kept are unchanged.
+        `lora`: the step's rows that run with an adapter (model/lora.py); such a step takes the
+        Python loop, which adds their deltas to the projections before the rotary and SiLU passes."""
         c = self.config
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
-        decoder = self.compiled_decoder(kv_cache) if not attn_metadata.score_seqs else None
+        decoder = self.compiled_decoder(kv_cache) if not attn_metadata.score_seqs and lora is None else None
         if decoder is not None:
             return decoder.forward(h, cos, sin, attn_metadata.slot_mapping, self.attn.varlen_plan(attn_metadata),
                                    out_rows)
@@ -169,7 +173,13 @@ class LlamaModel:
         ops, eps = self.ops, c.rms_norm_eps
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            if layer.qkv_proj.epilogue is not None:  # the projection rotates q and k itself
+            if lora is not None and layer.qkv_proj.epilogue is not None:
+                qkv = self._qkv_rotated_plus_lora(layer, x, cos, sin, i, lora)
+                qk = qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d)
+            elif lora is not None:
+                qkv = lora.add(layer.qkv_proj(x), x, i, "qkv")
+                qk = ops.rope(qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d), cos, sin)
+            elif layer.qkv_proj.epilogue is not None:  # the projection rotates q and k itself
                 qkv = layer.qkv_proj(x, cos, sin)
                 qk = qkv[:, :self.q_size + self.kv_size].view(t, hq + hkv, d)
             else:
@@ -185,14 +195,42 @@ class LlamaModel:
                 o, h, t = o[out_rows], h[out_rows], out_rows.numel()
                 if t == 0:
                     return h
-            x = ops.add_rms_norm(h, layer.o_proj(o.reshape(t, self.q_size)), layer.post_attn_norm, eps)
-            act = layer.gate_up_proj(x)
-            if layer.gate_up_proj.epilogue is None:
-                act = ops.silu_mul(act)
+                lora = lora.restrict(out_rows) if lora is not None else None
+            o = o.reshape(t, self.q_size)
+            proj = layer.o_proj(o)
+            if lora is not None:
+                lora.add(proj, o, i, "o")
+            x = ops.add_rms_norm(h, proj, layer.post_attn_norm, eps)
+            if lora is not None:  # the delta goes in before SiLU; plain() keeps the epilogue's column order
+                gate_up = lora.add(layer.gate_up_proj.plain(x), x, i, "gate_up")
+                act = silu_mul_tiles(ops, gate_up) if layer.gate_up_proj.epilogue is not None else ops.silu_mul(gate_up)
+            else:
+                act = layer.gate_up_proj(x)
+                if layer.gate_up_proj.epilogue is None:
+                    act = ops.silu_mul(act)
+            down = layer.down_proj(act)
+            if lora is not None:
+                lora.add(down, act, i, "down")
             # The residual add closes the layer and fuses with the next norm (or the final one).
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x = ops.add_rms_norm(h, layer.down_proj(act), next_norm, eps)
+            x = ops.add_rms_norm(h, down, next_norm, eps)
         return x
+
+    def _qkv_rotated_plus_lora(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                               i: int, lora: LoRAStep) -> torch.Tensor:
+        """The q/k/v projection with its rotary epilogue, plus the LoRA rows' delta rotated the
+        same way: the rotation is linear, so rotating the sum or adding the rotated delta is the
+        same map, and the fused projection's output keeps its layout (no gather of its columns)."""
+        c, qk = self.config, self.q_size + self.kv_size
+        qkv = layer.qkv_proj(x, cos, sin)
+        delta = lora.delta(x, i, "qkv")
+        rows = lora.rows
+        n = delta.shape[0]
+        rotated = self.ops.rope(delta[:, :qk].to(qkv.dtype).view(n, c.num_attention_heads + c.num_key_value_heads, c.head_dim),
+                                cos[rows], sin[rows])
+        qkv[rows, :qk] += rotated.reshape(n, qk)
+        qkv[rows, qk:] += delta[:, qk:]
+        return qkv
 
     def compiled_decoder(self, kv_cache: KVCache) -> cpu_decoder.CompiledDecoder | None:
         """The compiled layer loop over kv_cache, or None where the Python loop runs."""

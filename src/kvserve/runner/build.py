@@ -25,6 +25,7 @@ class KVBudget:
     max_model_len: int
     block_size: int
     residual_bytes: int = 0  # a quantized cache's full-precision residual pool, beside the blocks
+    lora_bytes: int = 0  # --max-loras adapter slots of --max-lora-rank, charged before the blocks
 
     @property
     def num_tokens(self) -> int:
@@ -64,9 +65,10 @@ def resolve_device(device: str) -> torch.device:
 
 def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: int,
                  device: torch.device, gpu_budget_bytes: int | None = None,
-                 reserved_bytes: int = 0) -> KVBudget:
+                 reserved_bytes: int = 0, lora_bytes: int = 0) -> KVBudget:
     """How many blocks the budget buys, and a clear error if max_model_len cannot fit.
-    `reserved_bytes` (a quantized cache's residual pool) comes out of the budget first."""
+    `reserved_bytes` (a quantized cache's residual pool) and `lora_bytes` (the adapter slots)
+    come out of the budget first."""
     max_model_len = args.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         # As vLLM: positions past what the model was trained on give garbage, so refuse unless asked.
@@ -89,6 +91,11 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
         else:
             memory = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
             budget_flag = "--kv-cache-memory"
+        if lora_bytes >= memory:
+            raise ConfigError(f"The LoRA adapter slots (--max-loras {args.max_loras} x --max-lora-rank "
+                              f"{args.max_lora_rank}: {lora_bytes / 2**20:.1f} MiB) take the whole KV budget of "
+                              f"{memory / 2**20:.1f} MiB; raise {budget_flag} or lower --max-loras / --max-lora-rank")
+        memory -= lora_bytes
         num_blocks = blocks_in_budget(memory, bytes_per_block, reserved_bytes, args.max_num_seqs)
         if num_blocks < 1:
             residual = (f" after the quantized cache's full-precision residual pool ({reserved_bytes} "
@@ -112,7 +119,21 @@ def size_kv_pool(args: EngineArgs, model_config: ModelConfig, bytes_per_block: i
             f"--gpu-memory-utilization on CUDA), use a smaller --kv-cache-dtype, or decrease "
             f"--max-model-len to at most {fits}.")
     return KVBudget(num_blocks, bytes_per_block, memory, max_model_len, args.block_size,
-                    residual_pool_bytes(reserved_bytes, args.max_num_seqs, num_blocks))
+                    residual_pool_bytes(reserved_bytes, args.max_num_seqs, num_blocks), lora_bytes)
+
+
+def lora_dtype(args: EngineArgs, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--lora-dtype resolved: auto is the model's dtype (float32 slots measured no faster on CPU
+    end to end, at twice the memory: bench/NOTES.md)."""
+    return dtype if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype)
+
+
+def lora_slot_bytes(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """What the --max-loras adapter slots of --max-lora-rank take (0 without --enable-lora)."""
+    if not args.enable_lora:
+        return 0
+    from kvserve.model.lora import slot_bytes
+    return args.max_loras * slot_bytes(cfg, args.max_lora_rank, lora_dtype(args, dtype, device))
 
 
 def kv_budget_for(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -122,7 +143,7 @@ def kv_budget_for(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device
     bpb = kv_cache_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype, dtype)
     reserved = 0 if static_fp8_scales else kv_cache_reserved_bytes(cfg, args.block_size, args.kv_cache_dtype,
                                                                    dtype, args.max_num_seqs)
-    return size_kv_pool(args, cfg, bpb, device, gpu_budget_bytes, reserved)
+    return size_kv_pool(args, cfg, bpb, device, gpu_budget_bytes, reserved, lora_slot_bytes(args, cfg, dtype, device))
 
 
 def _static_fp8_scales(args: EngineArgs, weights: dict) -> bool:
@@ -163,7 +184,9 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
         kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, attention_backend=args.attention_backend,
         disable_cascade_attn=args.disable_cascade_attn, cuda_graph_sizes=tuple(cuda_graph_sizes(args, device)),
         max_model_len=budget.max_model_len, num_residual_blocks=quantized.residual_blocks_for(args.max_num_seqs),
-        kv_scales=kv_scales), weight_codes=None if args.quantization == "none" else loaded.codes)
+        kv_scales=kv_scales, max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras, lora_dtype=lora_dtype(args, dtype, device)),
+        weight_codes=None if args.quantization == "none" else loaded.codes)
     start = time.perf_counter()
     runner.warm_up(min(args.resolved_max_num_batched_tokens(budget.max_model_len), budget.max_model_len - 1))
     logger.info("warm-up step: %.2f s", time.perf_counter() - start)
@@ -174,6 +197,9 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
                 budget.max_concurrency)
     if budget.residual_bytes:
         _log_residual_pool(args, cfg, dtype, budget)
+    if budget.lora_bytes:
+        logger.info("LoRA: %d adapter slots of rank %d take %.1f MiB, charged before the KV cache",
+                    args.max_loras, args.max_lora_rank, budget.lora_bytes / 2**20)
     fingerprint = None
     if args.has_kv_tiers:
         from kvserve.cache.offload import engine_fingerprint

@@ -26,6 +26,7 @@ from kvserve.core.step import ModelRunnerOutput, PromptLogprobs, ScheduledReques
 from kvserve.model.llama import LlamaModel
 from kvserve.ops.host_alloc import tune_malloc_for_inference
 from kvserve.runner.cuda_graph import DecodeGraphs, graphs_unsupported
+from kvserve.runner.lora import LoRAManager
 from kvserve.runner.sampler import Sampler, SamplingRow, row_argmax, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,12 @@ class RunnerConfig:
     # sequence), and the checkpoint's static fp8 scales when it ships them.
     num_residual_blocks: int | None = None
     kv_scales: KVScales | None = None
+    # LoRA (--enable-lora): adapter slots of max_lora_rank preallocated for max_loras adapters
+    # (0: no LoRA), max_cpu_loras kept in host memory, in lora_dtype (None: the model's dtype).
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: torch.dtype | None = None
 
 
 class ModelRunner:
@@ -84,6 +91,12 @@ class ModelRunner:
         self.bytes_per_block: int = self.kv_cache.bytes_per_block(model_config, self.block_size,
                                                                   config.kv_cache_dtype, self.dtype)
         self.sampler = Sampler(config.seed, self.device)
+        self.lora: LoRAManager | None = None
+        if config.max_loras:
+            gate_up = self.model.layers[0].gate_up_proj  # its SiLU epilogue's column order, which deltas follow
+            self.lora = LoRAManager(model_config, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras, config.lora_dtype or self.dtype,
+                                    self.device, {"gate_up": gate_up.order if gate_up.epilogue else None})
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:
             self._capture(list(config.cuda_graph_sizes), config.max_model_len or model_config.max_position_embeddings)
@@ -158,6 +171,9 @@ class ModelRunner:
             self.sampler.forget(out.finished_req_ids)
         if out.is_empty:
             return ModelRunnerOutput()
+        lora_slots: dict[str, int] = {}
+        if self.lora is not None:
+            out, lora_slots = self.lora.arrange(out)
         sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.sample and not s.spec_token_ids]
         guessing = [(i, s) for i, s in enumerate(out.scheduled) if s.spec_token_ids]
         if self._replays(out):
@@ -173,8 +189,10 @@ class ModelRunner:
             meta.score_seqs = [i for i, s in enumerate(out.scheduled) if _scores_attention(s)]
             logit_rows = self._logit_rows(sampling, guessing, meta.query_start_loc)
             trimmed = self._trims(out, logit_rows, meta.num_tokens)
+            lora = self.lora.step(out.scheduled, meta.query_start_loc, lora_slots, self.device) if lora_slots else None
             hidden = self.model.forward(input_ids, self.rope_positions(out, meta), meta, self.kv_cache,
-                                        torch.tensor(logit_rows, dtype=torch.long, device=self.device) if trimmed else None)
+                                        torch.tensor(logit_rows, dtype=torch.long, device=self.device) if trimmed else None,
+                                        **({"lora": lora} if lora is not None else {}))
             prompt_lps = {} if trimmed else self._prompt_logprobs(out, hidden, meta)
             block_scores = {out.scheduled[i].request.request_id: t.tolist() for i, t in meta.block_scores.items()}
         self.kv_cache.finish_step()
@@ -222,7 +240,8 @@ class ModelRunner:
         size, and no prompt logprobs (those score prompt rows the graph does not return)."""
         return (self.graphs is not None and self.graphs.size_for(len(out.scheduled)) is not None
                 and all(s.num_new_tokens == 1 and s.request.sampling_params.prompt_logprobs is None
-                        and not s.num_released_tokens and not _scores_attention(s) for s in out.scheduled))
+                        and not s.num_released_tokens and not _scores_attention(s) and s.request.lora_id is None
+                        for s in out.scheduled))
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
                          ) -> dict[str, PromptLogprobs]:

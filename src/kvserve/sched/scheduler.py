@@ -138,9 +138,15 @@ class Scheduler:
         # computing the same KV twice (64 requests arriving with one uncached 1,024-token prefix:
         # the second would otherwise recompute it beside the first).
         pending = self._blocks_completed_by(out.scheduled) if self.kv.enable_caching else None
+        # A step's adapters must fit the runner's --max-loras slots: a request of another
+        # adapter waits until one of the running adapters has no request left (as vLLM).
+        loras = {r.lora_id for r in self.running if r.lora_id is not None} if cfg.max_loras else None
         for req in self._waiting_in_policy_order():
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
+            if (loras is not None and req.lora_id is not None and req.lora_id not in loras
+                    and len(loras) >= cfg.max_loras):
+                continue
             if req.parent_id is not None and not self._parent_prompt_cached(req):
                 self.num_waiting_deferred += 1
                 continue  # n > 1: wait for the first sequence's prompt to reach the cache
@@ -163,6 +169,8 @@ class Scheduler:
                     self.num_computed_prompt_tokens += req.num_prompt_tokens - req.num_cached_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if loras is not None and req.lora_id is not None:
+                loras.add(req.lora_id)
             out.scheduled.append(self._entry(req, n))
             if pending is not None:
                 pending |= self._blocks_completed_by(out.scheduled[-1:])

@@ -20,6 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve import envs
 from kvserve.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepError
 from kvserve.server import protocol as P
 from kvserve.server.auth import Authenticator, effective_cache_salt
@@ -213,6 +214,7 @@ _UNION_SHAPES = {
 def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth: Authenticator,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     serving = OpenAIServing(llm, config)
+    serving.register_startup_adapters()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -307,9 +309,20 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
 
     @app.get("/v1/models", response_model=P.ModelList, dependencies=[Depends(tenant)])
     async def models():
-        return P.ModelList(data=[P.ModelCard(id=name, root=llm.args.model or "SmolLM2-135M-Instruct",
-                                             max_model_len=llm.max_model_len)
-                                 for name in config.served_model_names])
+        base = [P.ModelCard(id=name, root=llm.args.model or "SmolLM2-135M-Instruct",
+                            max_model_len=llm.max_model_len) for name in config.served_model_names]
+        adapters = [P.ModelCard(id=name, root=lora.lora_path, parent=serving.model_name, max_model_len=llm.max_model_len)
+                    for name, lora in serving.loras.items()]
+        return P.ModelList(data=base + adapters)
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:  # as vLLM: the routes exist only when allowed
+        @app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES, dependencies=[Depends(tenant)])
+        async def load_lora_adapter(body: P.LoadLoRAAdapterRequest):
+            return Response(await serving.load_lora_adapter(body.lora_name, body.lora_path), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES, dependencies=[Depends(tenant)])
+        async def unload_lora_adapter(body: P.UnloadLoRAAdapterRequest):
+            return Response(serving.unload_lora_adapter(body.lora_name), media_type="text/plain")
 
     @app.get("/health")
     async def health():

@@ -175,6 +175,12 @@ class ServerMetrics:
                       "swap_space": str(engine_args.swap_space), "cpu_offload_gb": str(engine_args.cpu_offload_gb)}
             Gauge("vllm:cache_config_info", "Information of the engine's cache configuration.", list(labels),
                   registry=r).labels(**labels).set(1)
+        self.lora_info = None
+        if engine_args is not None and engine_args.enable_lora:
+            # vLLM's: one series, the adapters as comma-separated labels, its value the time of the update.
+            self.max_lora = str(engine_args.max_loras)
+            self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         # Export every series from the start (zeros), as vLLM does: rate() and greps need them to exist.
         for metric in vars(self).values():
             if isinstance(metric, (Gauge, Counter, Histogram)) and metric._labelnames == ("model_name",):
@@ -234,6 +240,10 @@ class ServerMetrics:
         for tier, hits in s.tier_hits.items():
             self._advance("tier:" + tier, self.tier_hits.labels(m, tier), hits)
         self._observe_tiers(s)
+        if self.lora_info is not None:
+            self.lora_info.clear()
+            self.lora_info.labels(self.max_lora, ",".join(s.waiting_lora_adapters),
+                                  ",".join(s.running_lora_adapters)).set_to_current_time()
 
     def _observe_tiers(self, s) -> None:
         m = self.model_name

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import AsyncIterator
 
+import torch
+
+from kvserve.core.lora import LoRARequest
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.engine.async_engine import AsyncLLM, RequestStream
 from kvserve.engine.outputs import RequestError
@@ -40,6 +44,7 @@ class ServingConfig:
     cors: CorsConfig | None = None  # None: no CORS headers (tests, embedding apps)
     disable_docs: bool = False  # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json
     max_queued_requests: int | None = None  # SGLang's --max-queued-requests: a 503 beyond it
+    lora_modules: list = field(default_factory=list)  # config.LoRAModulePath: adapters served from the start
 
 
 def _is_off(value) -> bool:
@@ -74,6 +79,8 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
         self.model_name = config.served_model_names[0]
+        self.loras: dict[str, LoRARequest] = {}  # served adapters by name
+        self._lora_ids = itertools.count(1)
         self.token_text = llm.token_text
         # Tokenizing (and rendering chat templates) runs here, off the event loop: a 10 MB prompt
         # takes seconds to tokenize, during which /health and every stream must keep answering.
@@ -88,11 +95,64 @@ class OpenAIServing:
 
     # ----- validation -----
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.config.served_model_names:
-            raise APIError(f"The model `{model}` does not exist. Served models: "
-                           f"{', '.join(self.config.served_model_names)}", status=404, param="model",
-                           type="NotFoundError", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for an unknown name."""
+        if model is None or model in self.config.served_model_names:
+            return None
+        if model in self.loras:
+            return self.loras[model]
+        raise APIError(f"The model `{model}` does not exist. Served models: "
+                       f"{', '.join([*self.config.served_model_names, *self.loras])}", status=404, param="model",
+                       type="NotFoundError", code="model_not_found")
+
+    # ----- LoRA adapters -----
+
+    def _check_adapter(self, name: str, path: str) -> LoRARequest:
+        """A LoRARequest for a readable adapter of this model; LoRAError with the reason otherwise."""
+        from kvserve.model.lora import load_adapter
+        cfg = self.llm.model_config
+        load_adapter(path, name, cfg, self.llm.args.max_lora_rank, torch.float32)  # raises the reason
+        return LoRARequest(name, next(self._lora_ids), path)
+
+    def register_startup_adapters(self) -> None:
+        """--lora-modules, each checked now: a bad one stops the start with the reason."""
+        from kvserve.config import ConfigError
+        from kvserve.model.lora import LoRAError
+        for m in self.config.lora_modules:
+            if m.name in self.loras or m.name in self.config.served_model_names:
+                raise ConfigError(f"--lora-modules: the name {m.name!r} is given twice; give each adapter its own name")
+            try:
+                self.loras[m.name] = self._check_adapter(m.name, m.path)
+            except LoRAError as e:
+                raise ConfigError(f"--lora-modules {m.name}={m.path}: {e}") from None
+
+    async def load_lora_adapter(self, name: str, path: str) -> str:
+        from kvserve.model.lora import LoRAError
+        if not self.llm.args.enable_lora:
+            raise APIError("LoRA is not enabled on this server; start it with --enable-lora", param="lora_name")
+        if not name or not path:
+            raise APIError("both 'lora_name' and 'lora_path' must be provided", param="lora_name")
+        if name in self.loras or name in self.config.served_model_names:
+            raise APIError(f"The lora adapter '{name}' has already been loaded; unload it first to replace it",
+                           param="lora_name", code="already_loaded")
+        try:
+            req = await self.off_loop(self._check_adapter, name, path)
+        except LoRAError as e:
+            raise APIError(f"The lora adapter '{name}' cannot be loaded: {e}", param="lora_path") from None
+        if name in self.loras:  # a concurrent load of the same name won
+            raise APIError(f"The lora adapter '{name}' has already been loaded", param="lora_name",
+                           code="already_loaded")
+        self.loras[name] = req
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_lora_adapter(self, name: str) -> str:
+        """New requests for it get a 404 at once; requests already running keep their copy of the
+        adapter in the engine and finish with it."""
+        if name not in self.loras:
+            raise APIError(f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name",
+                           type="NotFoundError", code="lora_not_found")
+        del self.loras[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def check_extras(self, req: P._Request, refused: dict[str, str] | None = None) -> None:
         """A vLLM parameter kvserve lacks gets a 400 naming it; other unknown fields are ignored
@@ -207,7 +267,8 @@ class OpenAIServing:
                     text = self.tokenizer.decode(ids, skip_special_tokens=False)[:self.config.max_log_len]
                     logger.info("Received request %s: prompt: %r, params: %s", rid, text, params)
                 admitted.streams.append(await self.llm.add_request(ids, params, rid, req.priority, cache_salt,
-                                                                   final_only=not req.stream))
+                                                                   final_only=not req.stream,
+                                                                   lora_request=self.check_model(req.model)))
         except RequestError as e:
             admitted.abort()
             raise APIError(str(e), param=e.param) from None

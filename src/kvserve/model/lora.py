@@ -1,0 +1,299 @@
+"""LoRA adapters on the decoder's fused projections: PEFT directories in, per-segment deltas out.
+
+An adapter's q/k/v (and gate/up) modules land on the fused q/k/v (gate/up) projection: its
+lora_A matrices stacked (`[3R, hidden]`), its lora_B matrices block-diagonal (`[q+2kv, 3R]`,
+the scale folded in), so one shrink and one expand product give the three deltas side by side,
+in the fused output's column order. Adapters live in `LoRASlots`, preallocated at start-up
+(`--max-loras` slots of `--max-lora-rank`, zero-padded: padded rank columns add exact zeros).
+
+A step's rows are grouped by adapter slot (`LoRABatch`): each segment of rows sharing an adapter
+is one pair of GEMMs (x[seg] A^T B^T, the SGMV idea of punica and vLLM), added onto the base
+projection's output for those rows only; rows of the base model are not touched. The delta is
+added before the rotary / SiLU epilogue, as PEFT adds it to the projection's output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvserve.config import ModelConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT module name -> (fused projection, position among its parts)
+TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+class LoRAError(ValueError):
+    """An adapter cannot be used with this model or these settings; the message says why and what to change."""
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """PEFT target module -> (out_features, in_features) of the base model's projection."""
+    q, kv, h, i = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def group_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Fused projection -> (out_features, in_features)."""
+    m = module_shapes(cfg)
+    return {g: (sum(m[p][0] for p in parts), m[parts[0]][1]) for g, parts in GROUPS.items()}
+
+
+def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
+    """Bytes one adapter slot takes: every layer's stacked A and block-diagonal B at max_rank."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    per_layer = sum(len(GROUPS[g]) * max_rank * (n_in + n_out) for g, (n_out, n_in) in group_shapes(cfg).items())
+    return per_layer * cfg.num_hidden_layers * size
+
+
+def adapter_digest(path: str) -> str:
+    """SHA-256 of the adapter's config and weights files: what its K/V depend on."""
+    h = hashlib.sha256()
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        h.update(name.encode() + b"\0")
+        with open(os.path.join(path, name), "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter in host memory: per (layer, module) lora_A `[r, in]` and scale * lora_B `[out, r]`."""
+    name: str
+    path: str
+    digest: str
+    rank: int
+    targets: tuple[str, ...]
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def _read_config(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise LoRAError(f"LoRA adapter path {path!r} is not a directory; give a PEFT adapter directory "
+                        f"(with {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    cfg_path = os.path.join(path, ADAPTER_CONFIG)
+    try:
+        with open(cfg_path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise LoRAError(f"{cfg_path} is missing; a LoRA adapter is a PEFT directory with {ADAPTER_CONFIG} "
+                        f"and {ADAPTER_WEIGHTS} (save it with PeftModel.save_pretrained)") from None
+    except (OSError, ValueError) as e:
+        raise LoRAError(f"{cfg_path} cannot be read as JSON ({e}); re-save the adapter") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"{cfg_path} is not a JSON object; re-save the adapter")
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise LoRAError(f"{cfg_path}: peft_type {peft_type} is not supported; only LoRA adapters are")
+    refused = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained extra modules)"}
+    for key, what in refused.items():
+        if config.get(key):
+            raise LoRAError(f"{cfg_path}: {what} is not supported; train the adapter without {key}")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"{cfg_path}: bias={config['bias']!r} is not supported; train with bias='none'")
+    if config.get("alpha_pattern"):
+        raise LoRAError(f"{cfg_path}: alpha_pattern is not supported; give every module the same lora_alpha")
+    return config
+
+
+def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
+                 digest: str | None = None) -> LoRAAdapter:
+    """Read and check a PEFT adapter directory for this model. Raises LoRAError naming what is wrong."""
+    config = _read_config(path)
+    weights_path = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights_path):
+        raise LoRAError(f"{weights_path} is missing; kvserve reads adapters in safetensors format "
+                        f"(PeftModel.save_pretrained(..., safe_serialization=True))")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        tensors = load_file(weights_path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise LoRAError(f"{weights_path} is not a readable safetensors file ({e}); re-save the adapter") from None
+    alpha = float(config.get("lora_alpha", config.get("r", 8)))
+    rslora = bool(config.get("use_rslora", False))
+    shapes = module_shapes(cfg)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in TARGETS:
+            module = m.group(2) if m else re.split(r"\.(?:lora_|base_layer|weight)", key.removeprefix("base_model.model."))[0]
+            raise LoRAError(f"{weights_path}: target module {module!r} is not supported; kvserve applies LoRA to "
+                            f"{', '.join(TARGETS)} only (retrain with target_modules among those)")
+        layer = int(m.group(1))
+        if layer >= cfg.num_hidden_layers:
+            raise LoRAError(f"{weights_path}: {key} is for layer {layer}, but the base model has "
+                            f"{cfg.num_hidden_layers} layers; the adapter was trained for another base model")
+        parts.setdefault((layer, m.group(2)), {})[m.group(3)] = t
+    if not parts:
+        raise LoRAError(f"{weights_path} holds no lora_A / lora_B weights; re-save the adapter")
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for (layer, module), ab in sorted(parts.items(), key=lambda kv: (kv[0][0], list(TARGETS).index(kv[0][1]))):
+        where = f"layers.{layer}.{module}"
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"{weights_path}: {where} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        n_out, n_in = shapes[module]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape != (n_out, r):
+            raise LoRAError(f"{weights_path}: {where}: the adapter's lora_A is {list(a.shape)} and lora_B "
+                            f"{list(b.shape)}, but the base model's {module} is [{n_out}, {n_in}] (lora_A must "
+                            f"be [r, {n_in}], lora_B [{n_out}, r]); the adapter was trained for another base model")
+        if r > max_rank:
+            raise LoRAError(f"{path}: rank {r} ({where}) is above --max-lora-rank {max_rank}; raise "
+                            f"--max-lora-rank to at least {r}")
+        rank = max(rank, r)
+        scale = alpha / (math.sqrt(r) if rslora else r)
+        weights[(layer, module)] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
+    return LoRAAdapter(name, path, digest or adapter_digest(path), rank,
+                       tuple(sorted({m for _, m in weights}, key=list(TARGETS).index)), weights)
+
+
+class LoRASlots:
+    """The adapters a step may use, preallocated: per layer and fused projection, A^T `[S, in, P*R]`
+    (P parts side by side) and B^T `[S, P*R, out]` (block-diagonal), S = --max-loras,
+    R = --max-lora-rank. `orders`: a projection's output columns as its packed weight orders
+    them (Linear.order, where an epilogue needs one), which B^T's columns then follow."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device, orders: dict[str, torch.Tensor | None] | None = None) -> None:
+        self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
+        self.shapes = module_shapes(cfg)
+        self.orders = orders or {}
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for _ in range(cfg.num_hidden_layers):
+            self.a.append({})
+            self.b.append({})
+            for g, (n_out, n_in) in group_shapes(cfg).items():
+                pr = len(GROUPS[g]) * max_rank
+                self.a[-1][g] = torch.zeros(num_slots, n_in, pr, dtype=dtype, device=device)
+                self.b[-1][g] = torch.zeros(num_slots, pr, n_out, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values())
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put the adapter in a slot: its matrices at their parts' rows and columns, zeros elsewhere."""
+        r = self.max_rank
+        for layer, (a_g, b_g) in enumerate(zip(self.a, self.b)):
+            for g, parts in GROUPS.items():
+                a, b = a_g[g][slot], b_g[g][slot]
+                a.zero_()
+                b_t = torch.zeros(b.shape[1], b.shape[0], dtype=b.dtype, device=b.device)  # [out, P*R]
+                row = 0
+                for p, module in enumerate(parts):
+                    n_out = self.shapes[module][0]
+                    w = adapter.weights.get((layer, module))
+                    if w is not None:
+                        k = w[0].shape[0]
+                        a[:, p * r:p * r + k].copy_(w[0].t())
+                        b_t[row:row + n_out, p * r:p * r + k].copy_(w[1])
+                    row += n_out
+                order = self.orders.get(g)
+                b.copy_((b_t if order is None else b_t[order.to(b.device)]).t())
+
+
+@dataclass
+class LoRABatch:
+    """A step's rows that run with an adapter: rows lo..hi, in segments (slot, start, end) of
+    rows sharing a slot, ascending (the runner orders a step's requests by slot, base rows first).
+    Where padding every slot's segment to the longest wastes little (decode), one batched GEMM
+    over all slots replaces the loop over segments: `pad_index` gathers the padded rows,
+    `valid_index` picks the real ones back."""
+    lo: int
+    hi: int
+    segments: list[tuple[int, int, int]]
+    num_slots: int
+    pad_len: int = 0
+    pad_index: torch.Tensor | None = None
+    valid_index: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, segments: list[tuple[int, int, int]], num_slots: int, device: torch.device) -> "LoRABatch | None":
+        segments = [s for s in segments if s[2] > s[1]]
+        if not segments:
+            return None
+        lo, hi = segments[0][1], segments[-1][2]
+        rel = [(slot, a - lo, b - lo) for slot, a, b in segments]
+        batch = cls(lo, hi, rel, num_slots)
+        longest = max(b - a for _, a, b in rel)
+        if num_slots * longest <= 2 * (hi - lo):
+            pad = np.zeros((num_slots, longest), dtype=np.int64)
+            valid = []
+            for slot, a, b in rel:
+                pad[slot, :b - a] = np.arange(a, b)
+                valid.append(slot * longest + np.arange(b - a))
+            batch.pad_len = longest
+            flat, valid = pad.reshape(-1), np.concatenate(valid)
+            if flat.size == hi - lo and (flat == np.arange(flat.size)).all():
+                return batch  # every slot one segment of the same length, in order: no padding to do
+            batch.pad_index = torch.from_numpy(flat).to(device)
+            batch.valid_index = torch.from_numpy(valid).to(device)
+        return batch
+
+    def restrict(self, out_rows: torch.Tensor, device: torch.device) -> "LoRABatch | None":
+        """The same batch over the rows `out_rows` keeps (LlamaModel.forward's last layer),
+        renumbered as positions in out_rows (a segment's kept rows stay contiguous there)."""
+        keep = out_rows.cpu().numpy()
+        segments = [(slot, int(np.searchsorted(keep, self.lo + a)), int(np.searchsorted(keep, self.lo + b)))
+                    for slot, a, b in self.segments]
+        return LoRABatch.build(segments, self.num_slots, device)
+
+
+class LoRAStep:
+    """What LlamaModel.forward needs to add a step's LoRA deltas: the slots and the step's rows."""
+
+    def __init__(self, slots: LoRASlots, batch: LoRABatch) -> None:
+        self.slots, self.batch = slots, batch
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.batch.lo, self.batch.hi)
+
+    def restrict(self, out_rows: torch.Tensor) -> "LoRAStep | None":
+        batch = self.batch.restrict(out_rows, out_rows.device)
+        return None if batch is None else LoRAStep(self.slots, batch)
+
+    def delta(self, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
+        """x[rows] A^T B^T for each segment's adapter, `[hi - lo, out]` in the slots' dtype."""
+        b = self.batch
+        a_t, b_t = self.slots.a[layer][group], self.slots.b[layer][group]
+        xs = x[b.lo:b.hi]
+        if xs.dtype != a_t.dtype:
+            xs = xs.to(a_t.dtype)
+        if b.pad_len:
+            padded = xs if b.pad_index is None else xs.index_select(0, b.pad_index)
+            out = torch.bmm(torch.bmm(padded.view(b.num_slots, b.pad_len, -1), a_t), b_t)
+            out = out.view(-1, out.shape[-1])
+            return out if b.valid_index is None else out.index_select(0, b.valid_index)
+        out = torch.empty(xs.shape[0], b_t.shape[-1], dtype=a_t.dtype, device=xs.device)
+        for slot, lo, hi in b.segments:
+            torch.mm(torch.mm(xs[lo:hi], a_t[slot]), b_t[slot], out=out[lo:hi])
+        return out
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
+        """y[rows] += the delta (y `[T, out]`, in place)."""
+        y[self.batch.lo:self.batch.hi] += self.delta(x, layer, group)  # rounded to y's dtype once
+        return y
