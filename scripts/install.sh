@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install kvserve and the embedded default model. On a machine without an NVIDIA GPU, torch is
 # pinned to the CPU build first (a loose requirement would pull the multi-GB CUDA build).
-# Usage: scripts/install.sh [--test]    (--test adds the test dependencies and redis-server)
+# Usage: scripts/install.sh [--test]    (--test adds the test dependencies, redis-server, prometheus and chromium)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip"
@@ -18,6 +18,7 @@ if [ "${1:-}" = "--test" ]; then
   # torch bring their own triton; never let pip touch torch here.
   python -c "import triton" 2>/dev/null || $PIP install --no-deps triton
   bash .ci/install_redis.sh
+  bash .ci/install_observability.sh
 else
   $PIP install -e .
 fi

@@ -34,6 +34,9 @@ CAPABILITIES = {
     "cuda": "a CUDA GPU",
     "glibc": "glibc (mallopt)",
     "linux": "Linux /proc",
+    "promtool": "promtool (Debian package prometheus; .ci/install_observability.sh)",
+    "prometheus": "the Prometheus server (Debian package prometheus; .ci/install_observability.sh)",
+    "chromium": "headless Chromium (Debian package chromium; .ci/install_observability.sh)",
 }
 
 
@@ -57,7 +60,9 @@ def capabilities() -> dict[str, bool]:
     import torch
     return {"cpu_kernels": kernels, "avx512_bf16": bf16, "amx": amx, "no_avx512_bf16": kernels and not bf16,
             "no_amx": bf16 and not amx, "cuda": torch.cuda.is_available(),
-            "glibc": platform.libc_ver()[0] == "glibc", "linux": Path("/proc/meminfo").exists()}
+            "glibc": platform.libc_ver()[0] == "glibc", "linux": Path("/proc/meminfo").exists(),
+            "promtool": shutil.which("promtool") is not None, "prometheus": shutil.which("prometheus") is not None,
+            "chromium": shutil.which("chromium") is not None}
 
 
 def has(capability: str) -> bool:

@@ -250,13 +250,18 @@ def run_serve(ns: argparse.Namespace) -> int:
         llm.step_listeners.append(StatLogger(envs.KVSERVE_LOG_STATS_INTERVAL))
     if ns.request_log:
         llm.step_listeners.append(RequestLogWriter(ns.request_log))
+    dashboard = None
+    if not args.disable_dashboard:
+        from kvserve.server.dashboard import DashboardSeries
+        dashboard = DashboardSeries()
+        llm.step_listeners.append(dashboard)
     cors = CorsConfig(ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials)
     config = ServingConfig(served_model_names=names, max_logprobs=llm.max_logprobs,
                            enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len,
                            response_role=ns.response_role, cors=cors, scheduling_policy=args.scheduling_policy,
                            disable_docs=ns.disable_fastapi_docs, max_queued_requests=ns.max_queued_requests,
                            lora_modules=args.lora_module_paths)
-    app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes)
+    app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes, dashboard)
     s = llm.latest_stats
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",
                 args.model or "embedded SmolLM2-135M-Instruct", ", ".join(names), ns.host, ns.port,

@@ -383,6 +383,9 @@ class EngineArgs:
     check_integrity: bool = _arg(False, "verify block accounting after every step (slow; debugging)",
                                  "Logging and debugging")
     disable_log_stats: bool = _arg(False, "no periodic stats log line", "Logging and debugging")
+    disable_dashboard: bool = _arg(False, "kvserve serve: no live KV dashboard at GET /dashboard (and no "
+                                          "/dashboard/data); behind the API key when one is set",
+                                   "Logging and debugging")
 
     @property
     def kv_events(self) -> KVEventsConfig | None:

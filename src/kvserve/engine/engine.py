@@ -342,6 +342,15 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    def kv_snapshot(self, cells: int = 1024, top: int = 8, cache_salt: str | None = None,
+                    max_requests: int = 64) -> dict:
+        """The dashboard's view of the KV pool and the scheduler's requests (kv/snapshot.py): plain
+        data, computed only when asked. `cache_salt` is the viewer's; other tenants' prefixes and
+        requests come back as counts and figures, never token ids."""
+        from kvserve.kv.snapshot import kv_snapshot
+        return kv_snapshot(self.kv, list(self.scheduler.running), list(self.scheduler.waiting), cells, top,
+                           cache_salt, max_requests)
+
     def close(self) -> None:
         """Write the pool's cached blocks and the queued ones down to disk / Redis, then release
         the tiers (the disk tier's directory lock). The server calls it at shutdown; an engine

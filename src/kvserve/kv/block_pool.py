@@ -14,6 +14,7 @@ tokens of a *partial* block, or of a full block it only shares in part.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -33,6 +34,9 @@ class Block:
     # Set when the block is full and registered in the prefix-cache index.
     block_hash: bytes | None = None
     num_filled: int = 0  # slots holding K/V (tracked with and without prefix caching)
+    # For the dashboard's prefix tree: prefix-cache hits on this content, and when its last user left.
+    hits: int = 0
+    last_used: float = 0.0
 
     @property
     def has_content(self) -> bool:
@@ -81,6 +85,7 @@ class BlockPool:
             self._drop_content(block)
         block.ref_cnt = 1
         block.num_filled = 0
+        block.hits = 0
         return block
 
     def touch(self, block: Block) -> None:
@@ -91,6 +96,7 @@ class BlockPool:
                 self.num_cached_free -= 1
             self.num_filled_used += block.num_filled
         block.ref_cnt += 1
+        block.hits += 1
 
     def set_filled(self, block: Block, num_filled: int) -> None:
         """The block's slots holding K/V (a block in use)."""
@@ -100,11 +106,13 @@ class BlockPool:
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference on each block. Callers pass a request's blocks tail first, so that
         its least shareable blocks are evicted before its prefix."""
+        now = time.monotonic()
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                block.last_used = now
                 self.num_filled_used -= block.num_filled
                 if block.has_content:
                     self.free_queue[block.block_id] = block

@@ -212,7 +212,9 @@ _UNION_SHAPES = {
 
 
 def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth: Authenticator,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, dashboard=None) -> FastAPI:
+    """dashboard: a DashboardSeries (server/dashboard.py) listening to the steps, or None for no
+    GET /dashboard."""
     serving = OpenAIServing(llm, config)
     serving.register_startup_adapters()
 
@@ -377,4 +379,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
             raise APIError(f"tokens must be in [0, {vocab}); got {bad[:5]}", param="tokens")
         return P.DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
 
+    if dashboard is not None:
+        from kvserve.server.dashboard import add_dashboard
+        add_dashboard(app, llm, dashboard, tenant, serving.tokenizer)
     return app
