@@ -70,16 +70,18 @@ def test_real_prometheus_fires_the_kv_usage_alert_on_a_full_pool(tmp_path):
                 rule["for"] = "3s"
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump(doc))
-    # 16 blocks of 16 tokens: one request with a long prompt and output holds almost all of them.
-    server = start_server("--max-model-len", "256", "--num-gpu-blocks-override", "16", "--max-num-seqs", "2",
-                          "--disable-log-stats", "--disable-uvicorn-access-log")
+    # 16 blocks of 64 tokens: a request's ~910-token prompt alone holds 15 of them (> 90 %) from
+    # its prefill to its end, and the next one starts from the cached prefix, so usage stays high
+    # for seconds, not only for the last tokens of each request.
+    server = start_server("--max-model-len", "1024", "--block-size", "64", "--num-gpu-blocks-override", "16",
+                          "--max-num-seqs", "2", "--disable-log-stats", "--disable-uvicorn-access-log")
     stop = threading.Event()
 
     def load():
         while not stop.is_set():
-            try:  # ~120 prompt tokens + 110 generated: 15 of 16 blocks while it decodes
+            try:
                 httpx.post(f"{server.url}/v1/completions", timeout=120,
-                           json={"prompt": "the cache is full " * 24, "max_tokens": 110, "ignore_eos": True})
+                           json={"prompt": "the cache is full " * 227, "max_tokens": 60, "ignore_eos": True})
             except httpx.HTTPError:
                 pass
     workers = [threading.Thread(target=load, daemon=True) for _ in range(2)]

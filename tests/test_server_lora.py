@@ -52,6 +52,7 @@ def test_model_field_selects_the_adapter(server, tiny, adapters):
         r = complete(server, name or tiny)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expect.outputs[0].text, name
+        assert r.json()["model"] == (name or tiny)  # the adapter's name answers, as vLLM's
     assert complete(server, "a").json()["choices"][0]["text"] != complete(server, tiny).json()["choices"][0]["text"]
 
 

@@ -105,6 +105,10 @@ class OpenAIServing:
                        f"{', '.join([*self.config.served_model_names, *self.loras])}", status=404, param="model",
                        type="NotFoundError", code="model_not_found")
 
+    def _served_name(self, req) -> str:
+        """The `model` a response names: the adapter's name when the request chose one (vLLM's)."""
+        return req.model if req.model is not None and req.model in self.loras else self.model_name
+
     # ----- LoRA adapters -----
 
     def _check_adapter(self, name: str, path: str) -> LoRARequest:
@@ -345,7 +349,7 @@ class OpenAIServing:
                     index=i * req.n + o.index, text=text, finish_reason=o.finish_reason,
                     stop_reason=o.stop_reason, logprobs=self._completion_logprobs(ids, lps, req.logprobs, 0),
                     prompt_logprobs=self._prompt_logprobs(out)))
-        return P.CompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
+        return P.CompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
                                     usage=self._usage(finals)).model_dump()
 
     async def _stream_completion(self, req: P.CompletionRequest, admitted: _Admitted,
@@ -372,14 +376,14 @@ class OpenAIServing:
                         continue
                     lp = self._completion_logprobs(ids, lps, req.logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(text)
-                    chunk = P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[
+                    chunk = P.CompletionChunk(id=admitted.request_id, created=created, model=self._served_name(req), choices=[
                         P.CompletionStreamChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
                                                  stop_reason=o.stop_reason)])
                     if include_usage and continuous:
                         chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
                     yield sse_event(chunk.model_dump())  # every key, null ones too, as vLLM's stream
             if include_usage:
-                yield sse_event(P.CompletionChunk(id=admitted.request_id, created=created, model=self.model_name, choices=[],
+                yield sse_event(P.CompletionChunk(id=admitted.request_id, created=created, model=self._served_name(req), choices=[],
                                              usage=self._usage(list(finals.values()))).model_dump())
             yield "data: [DONE]\n\n"
         finally:
@@ -432,7 +436,7 @@ class OpenAIServing:
                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                 logprobs=self._chat_logprobs(o.token_ids, o.logprobs, req.top_logprobs))
                    for o in out.outputs]
-        return P.ChatCompletionResponse(id=admitted.request_id, model=self.model_name, choices=choices,
+        return P.ChatCompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
                                         usage=self._usage([out]), prompt_logprobs=self._prompt_logprobs(out)).model_dump()
 
     async def _stream_chat(self, req: P.ChatCompletionRequest, admitted: _Admitted,
@@ -440,7 +444,7 @@ class OpenAIServing:
         try:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-            rid, model, created = admitted.request_id, self.model_name, int(time.time())
+            rid, model, created = admitted.request_id, self._served_name(req), int(time.time())
             for i in range(req.n):  # the role comes first, as OpenAI sends it
                 role = P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[P.ChatStreamChoice(
                     index=i, delta=P.DeltaMessage(role=self.config.response_role, content=""))])
