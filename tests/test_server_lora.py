@@ -99,6 +99,8 @@ def test_lora_requests_info_metric(server):
     text = httpx.get(f"{server.url}/metrics").text
     line = next(ln for ln in text.splitlines() if ln.startswith("vllm:lora_requests_info{"))
     assert 'max_lora="2"' in line and "running_lora_adapters=" in line and "waiting_lora_adapters=" in line
+    loads = next(ln for ln in text.splitlines() if ln.startswith("kvserve:lora_slot_loads_total{"))
+    assert float(loads.split()[-1]) >= 1  # adapter a was copied into a slot
 
 
 def test_bad_lora_modules_stop_the_start_with_the_reason(tiny, adapters):

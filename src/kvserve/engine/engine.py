@@ -554,6 +554,7 @@ class LLMEngine:
                 return tuple(sorted({r.lora_id.rpartition("@")[0] for r in reqs if r.lora_id is not None}))
             stats.running_lora_adapters = names(self.scheduler.running)
             stats.waiting_lora_adapters = names(self.scheduler.waiting)
+            stats.lora_slot_loads = self.runner.lora.num_slot_loads
         if self.kv_tiers is not None:
             self._tier_stats(stats)
         return stats

@@ -117,6 +117,7 @@ class EngineStats:
     # LoRA adapters (names) of running and waiting requests (vllm:lora_requests_info)
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    lora_slot_loads: int = 0  # adapters copied into a device slot (first loads and LRU swaps)
     num_blocks_total: int = 0
     num_blocks_free: int = 0
     num_blocks_used: int = 0

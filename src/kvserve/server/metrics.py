@@ -181,6 +181,9 @@ class ServerMetrics:
             self.max_lora = str(engine_args.max_loras)
             self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+            self.lora_slot_loads = Counter("kvserve:lora_slot_loads", "LoRA adapters copied into a device slot "
+                                           "(first loads and LRU swaps beyond --max-loras)", ["model_name"],
+                                           registry=r)
         # Export every series from the start (zeros), as vLLM does: rate() and greps need them to exist.
         for metric in vars(self).values():
             if isinstance(metric, (Gauge, Counter, Histogram)) and metric._labelnames == ("model_name",):
@@ -241,6 +244,7 @@ class ServerMetrics:
             self._advance("tier:" + tier, self.tier_hits.labels(m, tier), hits)
         self._observe_tiers(s)
         if self.lora_info is not None:
+            self._advance("lora_loads", self.lora_slot_loads.labels(m), s.lora_slot_loads)
             self.lora_info.clear()
             self.lora_info.labels(self.max_lora, ",".join(s.waiting_lora_adapters),
                                   ",".join(s.running_lora_adapters)).set_to_current_time()
