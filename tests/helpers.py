@@ -47,3 +47,15 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+def terminate(proc, timeout: float = 10.0) -> None:
+    """SIGTERM a child process and wait for it; SIGKILL if it outlives `timeout` seconds."""
+    import subprocess
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

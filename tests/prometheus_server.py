@@ -14,7 +14,7 @@ import time
 
 import httpx
 import yaml
-from helpers import free_port
+from helpers import free_port, terminate
 
 
 class PrometheusServer:
@@ -70,13 +70,7 @@ class PrometheusServer:
         return self.api("alerts")["alerts"]
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate(self.proc, 10)
         self.proc = None
 
     def close(self) -> None:

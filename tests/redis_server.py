@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import time
 
-from helpers import free_port
+from helpers import free_port, terminate
 
 
 class RedisServer:
@@ -68,13 +68,7 @@ class RedisServer:
             self.proc.wait(5)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate(self.proc, 5)
         self.proc = None
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "kvserve"
 
 LAYERS = [
+    {"vllm_compat"},
     {"config", "version"},
     {"envs"},
     {"core"},
@@ -32,7 +33,7 @@ LAYERS = [
     {"cli", "__main__", "__init__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-NO_TORCH = ("config", "envs", "core", "kv", "sched")
+NO_TORCH = ("vllm_compat", "config", "envs", "core", "kv", "sched")
 
 
 def _modules() -> list[tuple[str, Path]]:

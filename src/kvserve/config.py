@@ -35,40 +35,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
 
 
-# vLLM arguments kvserve does not implement: name -> (accepted value(s) or None, why); the CLI's flags
-# and `LLM(**kwargs)` both take them. A flag whose field is
-# added to EngineArgs later is generated from it instead, so an entry here can never shadow a real one.
-VLLM_REFUSED = {
-    "tensor_parallel_size": ("1", "kvserve runs one device per process; tensor parallelism is not implemented"),
-    "pipeline_parallel_size": ("1", "pipeline parallelism is not implemented"),
-    "data_parallel_size": ("1", "data parallelism is not implemented; run one server per device"),
-    "kv_transfer_config": (None, "KV transfer / disaggregated prefill is not implemented"),
-    "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
-    "load_format": (("auto", "safetensors", "gguf"), "only safetensors directories and GGUF files are loaded, "
-                                                     "told apart by the path"),
-    "chat_template": (None, "custom chat templates are not implemented; the model's own template is used"),
-    "tool_call_parser": (None, "tool calling is not implemented"),
-    "enable_auto_tool_choice": (None, "tool calling is not implemented"),
-    "reasoning_parser": (None, "reasoning parsers are not implemented"),
-    "guided_decoding_backend": (None, "structured output is not implemented"),
-    "revision": (None, "hub revisions are not supported; pass a local model directory"),
-    "tokenizer_mode": ("auto", "the model's fast tokenizer (tokenizer.json or GGUF metadata) is always used"),
-    "distributed_executor_backend": (("mp", "uni"), "kvserve runs in one process; there is no Ray backend"),
-}
-# Flags that change nothing here: name -> why (switches), and the same for flags that take a value.
-VLLM_NOOP = {"trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
-             "disable_log_requests": "requests are not logged unless --enable-log-requests is given",
-             "disable_frontend_multiprocessing": "the API server is the front end already; whether the engine core "
-                                                 "has a process of its own is VLLM_ENABLE_V1_MULTIPROCESSING's, "
-                                                 "as in vLLM V1"}
-VLLM_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve's decode graphs cover every context length "
-                                             "(the attention kernel reads lengths from device memory)",
-                   "download_dir": "models are local paths; nothing is downloaded",
-                   "compilation_config": "kvserve does not run torch.compile; its CPU kernels are compiled "
-                                         "ahead, its CUDA decode steps are CUDA graphs (--enforce-eager)",
-                   "optimization_level": "kvserve does not run torch.compile (see --compilation-config)"}
-# Offline `LLM(...)` arguments of vLLM's with nothing to do here (value ignored).
-VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "one device per process: no all-reduce"}
+from kvserve.vllm_compat import VLLM_NOOP, VLLM_NOOP_OFFLINE, VLLM_NOOP_VALUE, VLLM_REFUSED  # noqa: F401 (cli.py)
 
 
 def accepted_values(name: str) -> tuple[str, ...]:
@@ -178,19 +145,27 @@ class SpeculativeConfig:
     prompt_lookup_max: int
 
 
-def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | None:
-    """vLLM's --speculative-config (a JSON object or a dict) -> SpeculativeConfig; None when unset.
-    As vLLM: prompt_lookup_min / max default to each other, and to 5 when both are missing."""
+def _json_object(value: dict | str | None, flag: str, example: str) -> dict | None:
+    """A JSON-valued flag as a dict (None when unset); a ConfigError naming the flag otherwise."""
     if value is None or value == "":
         return None
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--speculative-config is not valid JSON ({e}); give an object such as "
-                              f'\'{{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}}\'') from None
+            raise ConfigError(f"{flag} is not valid JSON ({e}); give an object such as '{example}'") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
+    return value
+
+
+def parse_speculative_config(value: dict | str | None) -> SpeculativeConfig | None:
+    """vLLM's --speculative-config (a JSON object or a dict) -> SpeculativeConfig; None when unset.
+    As vLLM: prompt_lookup_min / max default to each other, and to 5 when both are missing."""
+    value = _json_object(value, "--speculative-config",
+                         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    if value is None:
+        return None
     known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
     unknown = sorted(set(value) - known)
     if unknown:
@@ -235,17 +210,10 @@ KV_EVENT_PUBLISHERS = ("null", "zmq")
 
 def parse_kv_events_config(value: dict | str | None) -> KVEventsConfig | None:
     """vLLM's --kv-events-config (a JSON object or a dict) -> KVEventsConfig; None when unset."""
-    if value is None or value == "":
+    value = _json_object(value, "--kv-events-config",
+                         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}')
+    if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--kv-events-config is not valid JSON ({e}); give an object such as "
-                              f'\'{{"enable_kv_cache_events": true, "publisher": "zmq", '
-                              f'"endpoint": "tcp://*:5557"}}\'') from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--kv-events-config must be a JSON object, got {value!r}")
     fields_ = {f.name: f for f in dataclasses.fields(KVEventsConfig)}
     unknown = sorted(set(value) - set(fields_))
     if unknown:

@@ -26,7 +26,8 @@ from kvserve.server import protocol as P
 from kvserve.server.auth import Authenticator, effective_cache_salt
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError
-from kvserve.server.serving import OpenAIServing, ServingConfig, sse_event
+from kvserve.server.serving import OpenAIServing, ServingConfig
+from kvserve.server.sse import sse_event
 from kvserve.version import __version__
 
 logger = logging.getLogger("kvserve.server")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -27,6 +26,7 @@ from kvserve.engine.outputs import RequestError
 from kvserve.model.tokenizer import TokenizerError, check_chat_template_kwargs
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
+from kvserve.server.sse import chat_chunk, sse_event
 
 logger = logging.getLogger("kvserve.server")
 
@@ -450,7 +450,7 @@ class OpenAIServing:
                     index=i, delta=P.DeltaMessage(role=self.config.response_role, content=""))])
                 if include_usage and continuous:
                     role.usage = self._choice_usage(prompt_len, 0, 0)
-                yield sse_event(_chat_chunk(role))
+                yield sse_event(chat_chunk(role))
             last = None
             finished: set[int] = set()  # a choice's outputs keep coming while its siblings run (n > 1)
             async for _, out in _merge(admitted):
@@ -468,7 +468,7 @@ class OpenAIServing:
                         logprobs=self._chat_logprobs(o.delta_token_ids, o.delta_logprobs, req.top_logprobs))])
                     if include_usage and continuous:
                         chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
-                    yield sse_event(_chat_chunk(chunk))
+                    yield sse_event(chat_chunk(chunk))
             if include_usage and last is not None:
                 yield sse_event(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                                  usage=self._usage([last])).model_dump())
@@ -552,21 +552,6 @@ class OpenAIServing:
             content.append(P.ChatTokenLogprob(token=text, logprob=max(e[tid].logprob, LOGPROB_FLOOR),
                                               bytes=list(text.encode()), top_logprobs=top))
         return P.ChatLogprobs(content=content)
-
-
-def _chat_chunk(chunk: P.ChatCompletionChunk) -> dict:
-    """A chat stream chunk as vLLM sends it: finish_reason / logprobs / stop_reason present even
-    when null; the delta only with what it carries; usage only when there is some."""
-    d = chunk.model_dump()
-    for c in d["choices"]:
-        c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
-    if d.get("usage") is None:
-        d.pop("usage", None)
-    return d
-
-
-def sse_event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _merge(admitted: _Admitted) -> AsyncIterator[tuple[int, object]]:
