@@ -23,6 +23,7 @@ LAYERS = [
     {"core"},
     {"kv"},
     {"sched"},
+    {"routing"},
     {"ops"},
     {"cache"},
     {"attention"},
@@ -33,7 +34,7 @@ LAYERS = [
     {"cli", "__main__", "__init__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-NO_TORCH = ("vllm_compat", "config", "envs", "core", "kv", "sched")
+NO_TORCH = ("vllm_compat", "config", "envs", "core", "kv", "sched", "routing")
 
 
 def _modules() -> list[tuple[str, Path]]:

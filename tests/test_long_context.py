@@ -204,7 +204,7 @@ def test_released_blocks_reach_the_metrics(llm):
     m = ServerMetrics("m", 512)
     m.observe_stats(stats)
     s = parse_metrics(generate_latest(m.registry).decode())
-    assert s['kvserve:kv_released_blocks_total{model_name="m",reason="streaming"}'] == stats.kv_released_blocks["streaming"]
+    assert s['kvserve:kv_released_blocks_total{engine="0",model_name="m",reason="streaming"}'] == stats.kv_released_blocks["streaming"]
 
 
 def test_server_default_and_opt_out(tiny):

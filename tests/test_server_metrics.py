@@ -84,7 +84,7 @@ def test_prefix_hit_rate_rises_on_shared_prefix_load(server):
 
 def test_latency_histograms_and_counters_fill(server):
     m0 = server.metrics()
-    label = '{model_name="SmolLM2-135M-Instruct"}'
+    label = '{engine="0",model_name="SmolLM2-135M-Instruct"}'
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "ignore_eos": True},
                    timeout=60)
     assert r.status_code == 200
@@ -107,7 +107,7 @@ def test_latency_histograms_and_counters_fill(server):
     assert delta("vllm:iteration_tokens_total_count") == 5
     assert delta("vllm:iteration_tokens_total_sum") == r.json()["usage"]["prompt_tokens"] + 4
     assert delta("vllm:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
-    key = '{finished_reason="length",model_name="SmolLM2-135M-Instruct"}'
+    key = '{engine="0",finished_reason="length",model_name="SmolLM2-135M-Instruct"}'
     assert m1["vllm:request_success_total" + key] - m0["vllm:request_success_total" + key] == 1
     assert m1["vllm:e2e_request_latency_seconds_sum" + label] > m0["vllm:e2e_request_latency_seconds_sum" + label]
 

@@ -266,7 +266,7 @@ def test_metrics_export_vllm_names_with_model_label():
                       tier_hits={"device": 150}), [finished_output("r1", 10.0)], ["r2"], 13.0))
     text = generate_latest(m.registry).decode()
     samples = parse_metrics(text)
-    label = '{model_name="my-model"}'
+    label = '{engine="0",model_name="my-model"}'
     assert samples["vllm:gpu_cache_usage_perc" + label] == 0.3
     assert samples["vllm:kv_cache_usage_perc" + label] == 0.3
     assert samples["vllm:num_requests_running" + label] == 2
@@ -277,8 +277,8 @@ def test_metrics_export_vllm_names_with_model_label():
     assert samples["kvserve:kv_blocks_cached" + label] == 10
     assert samples["kvserve:kv_cached_usage_perc" + label] == 0.1
     assert samples["kvserve:kv_token_occupancy_perc" + label] == 0.8
-    assert samples['vllm:request_success_total{finished_reason="length",model_name="my-model"}'] == 1
-    assert samples['vllm:request_success_total{finished_reason="abort",model_name="my-model"}'] == 1
+    assert samples['vllm:request_success_total{engine="0",finished_reason="length",model_name="my-model"}'] == 1
+    assert samples['vllm:request_success_total{engine="0",finished_reason="abort",model_name="my-model"}'] == 1
     assert samples["vllm:time_to_first_token_seconds_sum" + label] == pytest.approx(1.0)
     assert samples["vllm:request_queue_time_seconds_sum" + label] == pytest.approx(0.5)
     assert samples["vllm:e2e_request_latency_seconds_sum" + label] == pytest.approx(3.0)
@@ -301,9 +301,9 @@ def test_inter_token_latency_from_streamed_outputs():
     out2 = dataclasses.replace(out, outputs=[CompletionOutput(0, "ab", [7, 8])], metrics=met2)
     m(StepEvent(stats(), [out2], [], 0.5))
     s = parse_metrics(generate_latest(m.registry).decode())
-    assert s['vllm:inter_token_latency_seconds_count{model_name="m"}'] == 1
-    assert s['vllm:inter_token_latency_seconds_sum{model_name="m"}'] == pytest.approx(0.3)
-    assert s['vllm:time_to_first_token_seconds_sum{model_name="m"}'] == pytest.approx(0.2)
+    assert s['vllm:inter_token_latency_seconds_count{engine="0",model_name="m"}'] == 1
+    assert s['vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"}'] == pytest.approx(0.3)
+    assert s['vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"}'] == pytest.approx(0.2)
 
 
 def test_token_buckets():
@@ -322,11 +322,11 @@ def test_inter_token_latency_of_a_request_whose_output_waits_for_the_end():
                         True, 0, met)
     m(StepEvent(stats(), [out], [], 0.9, progress=[RequestProgress("r", 3, 0.0, 0.2, 0.9)]))
     s = parse_metrics(generate_latest(m.registry).decode())
-    assert s['vllm:inter_token_latency_seconds_count{model_name="m"}'] == 2
-    assert s['vllm:inter_token_latency_seconds_sum{model_name="m"}'] == pytest.approx(0.7)
-    assert s['vllm:time_to_first_token_seconds_count{model_name="m"}'] == 1
-    assert s['vllm:request_generation_tokens_sum{model_name="m"}'] == 3
-    assert s['vllm:request_success_total{finished_reason="length",model_name="m"}'] == 1
+    assert s['vllm:inter_token_latency_seconds_count{engine="0",model_name="m"}'] == 2
+    assert s['vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"}'] == pytest.approx(0.7)
+    assert s['vllm:time_to_first_token_seconds_count{engine="0",model_name="m"}'] == 1
+    assert s['vllm:request_generation_tokens_sum{engine="0",model_name="m"}'] == 3
+    assert s['vllm:request_success_total{engine="0",finished_reason="length",model_name="m"}'] == 1
 
 
 def test_the_request_log_records_aborted_requests_with_why(tmp_path):

@@ -136,7 +136,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["choices"] = f.metadata["choices"]
         if default is not None and base is not bool:
             kwargs["help"] += " (default: %(default)s)"
-        group.add_argument(_flag(f.name), **kwargs)
+        group.add_argument(_flag(f.name), *_ALIASES.get(f.name, []), **kwargs)
         if f.name == "kv_cache_memory":  # vLLM's name, with vLLM's suffixes (4G = 4 GiB, 4g = 4e9 bytes)
             group.add_argument("--kv-cache-memory-bytes", dest=f.name, default=argparse.SUPPRESS,
                                type=_vllm_int(), metavar="BYTES",
@@ -243,7 +243,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     llm = AsyncLLM.from_engine_args(args)
     disable_created_metrics()  # no *_created series: monitoring greps see one line per metric
-    metrics = ServerMetrics(names[0], llm.max_model_len, args, initial_stats=llm.latest_stats)
+    metrics = ServerMetrics(names[0], llm.max_model_len, args, initial_stats=llm.stats_by_rank)
     llm.step_listeners.append(metrics)
     if not args.disable_log_stats:
         # vLLM's VLLM_LOG_STATS_INTERVAL, under our prefix.

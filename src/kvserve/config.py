@@ -324,6 +324,13 @@ class EngineArgs:
               "'{\"method\": \"streaming\", \"sink_tokens\": 4, \"window\": 1024}' (attention sinks + recent "
               "window) or '{\"method\": \"h2o\", \"heavy_tokens\": 512, \"window\": 512}'; a request opts out "
               "with {\"method\": \"none\"} (docs/long-context.md)", "Scheduler")
+    # Parallel
+    data_parallel_size: int = _arg(1, "Number of data parallel groups: engine core processes behind this one API "
+                                      "server, each with its own KV pool and its share of the cores", "Parallel")
+    data_parallel_routing: str = _arg(
+        "cache_aware", "kvserve: how the API server picks a data-parallel replica for a request: cache_aware "
+                       "(the longest cached prefix, unless the load is out of balance), least_loaded (vLLM's "
+                       "balancing) or round_robin", "Parallel", ("cache_aware", "least_loaded", "round_robin"))
     # Kernels
     attention_backend: str = _arg("auto", "attention kernels: torch (the CPU kernels, SDPA elsewhere) or "
                                           "triton (CUDA); auto: triton on CUDA when installed", "Kernels",
@@ -417,6 +424,8 @@ class EngineArgs:
             raise ConfigError(f"--max-logprobs must be >= 0, or -1 for no cap (got {self.max_logprobs})")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB (got {self.swap_space})")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size must be >= 1 (got {self.data_parallel_size})")
         self.speculative  # raises ConfigError on a malformed --speculative-config
         self.kv_events  # and on a malformed --kv-events-config
         self._validate_tiers()

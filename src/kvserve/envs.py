@@ -70,6 +70,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("VLLM_ENABLE_V1_MULTIPROCESSING", parse_bool, lambda: True,
            "the server's engine core (scheduling and the model) runs in a process of its own; 0 runs "
            "it on a thread of the API server's process (vLLM's variable)"),
+    EnvVar("VLLM_CPU_OMP_THREADS_BIND", _str, lambda: "auto",
+           "CPUs of each data-parallel engine core process: auto (this process's CPUs split evenly, one "
+           "share per replica), all (no binding), or vLLM's explicit lists per rank, e.g. \"0-7|8-15\""),
     EnvVar("VLLM_API_KEY", _str, lambda: None,
            "the API key when --api-key is not given (vLLM's)"),
     EnvVar("CXX", _str, lambda: None,

@@ -49,6 +49,7 @@ class StepEvent:
     # Requests that ended without finishing, with why: (last RequestOutput, "client" | "shutdown"
     # | "error"): a client gone, the shutdown drain's end, a failed step.
     ended: list = field(default_factory=list)
+    rank: int = 0  # the data-parallel replica whose iteration this was (vLLM's `engine` label)
 
 
 StepListener = Callable[[StepEvent], None]
@@ -138,7 +139,8 @@ class AsyncLLM:
         self.max_model_len: int = info["max_model_len"]
         self.max_logprobs: int = info["max_logprobs"]
         self.sampling_defaults: dict = info["sampling_defaults"]
-        self.latest_stats = info["stats"]
+        stats = info["stats"]  # a list, one per replica, from a data-parallel client
+        self.stats_by_rank: list = list(stats) if isinstance(stats, list) else [stats]
         self.token_text = engine.token_text if engine is not None else token_text_cache(self.tokenizer)
         self.step_listeners: list[StepListener] = list(step_listeners or [])
         self._lock = threading.Lock()  # _streams and _calls: the event loop, the client thread, timers
@@ -163,8 +165,18 @@ class AsyncLLM:
         and made decode steps 1.3x slower than offline (bench/NOTES.md).
         """
         from kvserve import envs
+        from kvserve.config import ConfigError
         if multiprocess is None:
             multiprocess = envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        if args.data_parallel_size > 1:
+            if not multiprocess:
+                raise ConfigError(f"--data-parallel-size {args.data_parallel_size} runs one engine core process per "
+                                  "replica; unset VLLM_ENABLE_V1_MULTIPROCESSING=0")
+            from kvserve.engine.dp_client import DPClient
+            llm = cls.__new__(cls)
+            client = DPClient(args, llm._on_batch, llm._on_dead)
+            llm.__init__(None, step_listeners, client=client, args=args, info=client.info)
+            return llm
         if multiprocess:
             from kvserve.engine.core_client import MPClient
             llm = cls.__new__(cls)
@@ -316,11 +328,17 @@ class AsyncLLM:
             self._adding -= 1
         return stream
 
+    @property
+    def latest_stats(self):
+        """The engine's stats as of its last iteration (every replica's, summed)."""
+        from kvserve.engine.outputs import sum_stats
+        stats = [s for s in self.stats_by_rank if s is not None]
+        return sum_stats(stats) if stats else None
+
     def num_queued(self) -> int:
         """Requests waiting to be scheduled, as of the core's last iteration, and those on their
         way in (callable from any thread)."""
-        s = self.latest_stats
-        return (s.num_waiting if s is not None else 0) + self._adding
+        return sum(s.num_waiting for s in self.stats_by_rank if s is not None) + self._adding
 
     async def generate(self, prompt: str | list[int], params, request_id: str, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator:
@@ -337,7 +355,7 @@ class AsyncLLM:
 
     def _on_batch(self, batch: CoreBatch) -> None:
         if batch.stats is not None:  # first: whoever an output wakes sees the state that produced it
-            self.latest_stats = batch.stats
+            self.stats_by_rank[batch.rank] = batch.stats
         self.num_step_errors = batch.num_step_errors
         with self._lock:
             replies = [(self._calls.pop(call_id, None), ok, value) for call_id, ok, value in batch.replies]
@@ -361,8 +379,8 @@ class AsyncLLM:
             error = EngineStepError(batch.failed[1])
             deliveries.extend((s, error) for s in failed)
         _deliver(deliveries)
-        event = StepEvent(self.latest_stats, batch.outputs, batch.aborted, batch.now, batch.num_step_errors,
-                          batch.progress, batch.ended)
+        event = StepEvent(self.stats_by_rank[batch.rank], batch.outputs, batch.aborted, batch.now,
+                          batch.num_step_errors, batch.progress, batch.ended, batch.rank)
         for listener in self.step_listeners:
             try:
                 listener(event)

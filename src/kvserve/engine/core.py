@@ -36,6 +36,7 @@ class CoreBatch:
     # A failed step: (request ids it failed, message); those requests are already aborted.
     failed: tuple[list[str], str] | None = None
     kv_events: list = field(default_factory=list)  # KV events, when the front end routes by them
+    rank: int = 0  # the data-parallel replica that ran it
 
 
 class EngineCore:
@@ -43,6 +44,7 @@ class EngineCore:
         """`forward_kv_events`: each batch carries the step's KV events (a data-parallel front end
         routes by them); with --kv-events-config's zmq publisher they are also published here."""
         self.engine = engine
+        self.rank = data_parallel_rank
         self.forward_kv_events = forward_kv_events
         self.publisher = None
         config = engine.args.kv_events
@@ -114,7 +116,8 @@ class EngineCore:
         if self.publisher is not None:
             self.publisher.publish(events)
         batch = CoreBatch(outputs, progress, stats, time.monotonic(), self.num_step_errors, self._replies,
-                          self._aborted, self._ended, self._failed, events if self.forward_kv_events else [])
+                          self._aborted, self._ended, self._failed, events if self.forward_kv_events else [],
+                          self.rank)
         self._replies, self._aborted, self._ended, self._failed = [], [], [], None
         return batch
 
@@ -143,4 +146,4 @@ def engine_info(engine) -> dict[str, Any]:
     """What a front end needs of an engine it does not hold (the core process's first message)."""
     return {"tokenizer": engine.tokenizer, "model_config": engine.model_config, "max_model_len": engine.max_model_len,
             "max_logprobs": engine.max_logprobs, "sampling_defaults": engine.sampling_defaults,
-            "stats": engine.get_stats()}
+            "stats": engine.get_stats(), "kv_cache_bytes": engine.setup.budget.kv_cache_memory}

@@ -160,8 +160,12 @@ class MPClient:
     POLL_MS = 200
     SHUTDOWN_GRACE_S = 90.0  # the core writes its cached blocks down to disk / Redis (60 s at most)
 
-    def __init__(self, args, on_batch: OnBatch, on_dead: OnDead) -> None:
+    def __init__(self, args, on_batch: OnBatch, on_dead: OnDead, rank: int = 0, cpus: list[int] | None = None,
+                 forward_kv_events: bool = False, wait: bool = True) -> None:
+        """`rank`, `cpus`, `forward_kv_events`: a data-parallel replica's (engine/dp_client.py);
+        `wait=False` returns once the process is started (then call wait_ready())."""
         self.on_batch, self.on_dead = on_batch, on_dead
+        self.rank = rank
         self.rebuilder = OutputRebuilder()
         self._adds: dict[int, str] = {}  # ADD call ids awaiting their reply -> request ids
         self._dir = tempfile.mkdtemp(prefix="kvserve-core-")  # 0700: only this user reaches the sockets
@@ -185,13 +189,20 @@ class MPClient:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.engine.core_proc"], stdin=subprocess.PIPE,
                                      env=dict(os.environ, PYTHONPATH=path))
         with self.proc.stdin as stdin:
-            pickle.dump((args, in_addr, out_addr, root.getEffectiveLevel(), fmt, os.getpid()), stdin)
+            pickle.dump((args, in_addr, out_addr, root.getEffectiveLevel(), fmt, os.getpid(), rank, cpus,
+                         forward_kv_events), stdin)
+        self.info: dict = {}
+        self.thread = threading.Thread(target=self._receive, name=f"kvserve-core-outputs-{rank}", daemon=True)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the core has built its engine and warmed up; raises why it could not."""
         try:
             self.info = self._wait_ready()
         except BaseException:
             self._close_sockets()
             raise
-        self.thread = threading.Thread(target=self._receive, name="kvserve-core-outputs", daemon=True)
 
     def _wait_ready(self) -> dict:
         from kvserve.engine.core_proc import FAILED

@@ -34,9 +34,16 @@ def _picklable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def main(args, in_addr: str, out_addr: str, log_level: int, log_format: str | None, parent_pid: int) -> None:
+def main(args, in_addr: str, out_addr: str, log_level: int, log_format: str | None, parent_pid: int,
+         rank: int = 0, cpus: list[int] | None = None, forward_kv_events: bool = False) -> None:
+    """`rank`: the data-parallel rank; `cpus`: the CPUs this replica runs on (bound before torch
+    starts its OpenMP team, which sizes itself to them); `forward_kv_events`: batches carry the
+    KV events, for a front end that routes by them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        os.environ["OMP_NUM_THREADS"] = str(len(cpus))
     logging.basicConfig(level=log_level, format=log_format)
     import zmq
 
@@ -58,8 +65,9 @@ def main(args, in_addr: str, out_addr: str, log_level: int, log_format: str | No
         return
     engine.send_deltas = True
     outbox.send(pickle.dumps((READY, engine_info(engine))))
-    logger.info("engine core process %d started", os.getpid())
-    core = EngineCore(engine)
+    logger.info("engine core process %d started%s", os.getpid(),
+                f" (data-parallel rank {rank}, CPUs {cpus})" if rank or cpus else "")
+    core = EngineCore(engine, rank, forward_kv_events)
     try:
         _loop(core, inbox, outbox, parent_pid, SHUTDOWN)
     finally:

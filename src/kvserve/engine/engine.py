@@ -114,9 +114,11 @@ class LLMEngine:
                 raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
                                   "build_engine_parts, or set EngineSetup.fingerprint")
             self.kv_tiers, self.kv_offloader = build_kv_tiers(args, setup.fingerprint, self.runner.kv_cache)
-        # KV events (--kv-events-config): every block stored in and dropped from each tier.
+        # KV events (--kv-events-config): every block stored in and dropped from each tier; a
+        # data-parallel front end routes by them too.
         events = args.kv_events
-        self.kv_events = KVEventSink() if events is not None and events.enable_kv_cache_events else None
+        wanted = (events is not None and events.enable_kv_cache_events) or args.data_parallel_size > 1
+        self.kv_events = KVEventSink() if wanted else None
         if self.kv_events is not None and self.kv_tiers is not None:
             for tier in self.kv_tiers.tiers:
                 tier.events, tier.block_size = self.kv_events, args.block_size

@@ -13,7 +13,7 @@ import numbers
 import random
 from typing import Sequence
 
-from kvserve.config import EngineArgs, vllm_only_args
+from kvserve.config import ConfigError, EngineArgs, vllm_only_args
 from kvserve.core.lora import LoRARequest
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.engine.engine import LLMEngine
@@ -80,7 +80,11 @@ class LLM:
         """`engine_kwargs` are kvserve.EngineArgs fields (vLLM's names); vLLM arguments with
         nothing to do here (trust_remote_code, tensor_parallel_size=1, ...) are
         accepted, and those kvserve does not implement refused with the reason."""
-        self.engine = LLMEngine.from_engine_args(_engine_args(model, engine_kwargs))
+        args = _engine_args(model, engine_kwargs)
+        if args.data_parallel_size > 1:
+            raise ConfigError(f"data_parallel_size={args.data_parallel_size}: offline LLM runs one engine in this "
+                              "process; serve several replicas with `kvserve serve --data-parallel-size N`")
+        self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     @property

@@ -165,3 +165,38 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0  # guesses fed to the model
     spec_decode_num_accepted_tokens: int = 0  # guesses the model agreed with (kept)
     last_step_tokens: int = 0  # tokens the latest of them computed (prefill chunks + decodes)
+
+
+# Fractions that are means over the replicas rather than sums (the pool ones are recomputed).
+_MEAN_FIELDS = ("host_tier_usage", "token_occupancy")
+
+
+def sum_stats(stats: list[EngineStats]) -> EngineStats:
+    """Several data-parallel replicas' stats as one engine's: counts and byte totals summed, the
+    pool's fractions recomputed over the summed pool, other fractions averaged."""
+    if len(stats) == 1:
+        return stats[0]
+    total = EngineStats()
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in stats]
+        if isinstance(values[0], dict):
+            merged: dict = {}
+            for v in values:
+                for k, x in v.items():
+                    merged[k] = merged.get(k, 0) + x
+            if f.name == "tier_usage":
+                merged = {k: x / len(values) for k, x in merged.items()}
+            setattr(total, f.name, merged)
+        elif isinstance(values[0], tuple):
+            setattr(total, f.name, tuple(sorted({x for v in values for x in v})))
+        elif f.name in _MEAN_FIELDS:
+            setattr(total, f.name, sum(values) / len(values))
+        else:
+            setattr(total, f.name, sum(values))
+    if total.num_blocks_total:
+        total.kv_usage = total.num_blocks_used / total.num_blocks_total
+        total.cached_usage = total.num_blocks_cached / total.num_blocks_total
+    else:
+        total.kv_usage = total.cached_usage = 0.0
+    total.last_step_tokens = max(s.last_step_tokens for s in stats)
+    return total

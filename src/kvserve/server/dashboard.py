@@ -15,6 +15,7 @@ from importlib import resources
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse
 
+from kvserve.engine.outputs import sum_stats
 from kvserve.server.auth import effective_cache_salt
 from kvserve.server.protocol import APIError
 
@@ -32,12 +33,15 @@ class DashboardSeries:
         self.sample_s = sample_s
         self.samples: deque = deque(maxlen=int(window_s / sample_s))
         self._next = 0.0
+        self._by_rank: dict[int, object] = {}  # each data-parallel replica's latest stats
 
     def __call__(self, event) -> None:
-        if event.now < self._next:
+        if event.stats is not None:
+            self._by_rank[event.rank] = event.stats
+        if event.now < self._next or not self._by_rank:
             return
         self._next = event.now + self.sample_s
-        s = event.stats
+        s = sum_stats(list(self._by_rank.values()))
         tiers = dict(getattr(s, "tier_usage", {}) or {})
         self.samples.append((round(time.time(), 3), s.kv_usage, s.cached_usage, tiers, s.num_running, s.num_waiting,
                              s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions,

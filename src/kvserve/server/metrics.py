@@ -58,7 +58,14 @@ class ServerMetrics:
         PlatformCollector(registry=r)
         GCCollector(registry=r)
         self.model_name = model_name
-        L = ["model_name"]
+        # vLLM V1's labels: the model, and the engine (data-parallel replica) that reported.
+        L = ["model_name", "engine"]
+        if isinstance(initial_stats, list):
+            num_engines = len(initial_stats)
+        else:
+            num_engines = engine_args.data_parallel_size if engine_args is not None else 1
+            initial_stats = None if initial_stats is None else [initial_stats] * num_engines
+        self._engines = [str(i) for i in range(num_engines)]
 
         def gauge(name, doc, labels=L):
             return Gauge(name, doc, labels, registry=r)
@@ -160,7 +167,7 @@ class ServerMetrics:
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Speculated tokens fed to the model.")
         self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Speculated tokens the model agreed with.")
         if engine_args is not None:
-            info = Info("kvserve:cache_config", "KV cache configuration.", L, registry=r)
+            info = Info("kvserve:cache_config", "KV cache configuration.", ["model_name"], registry=r)
             info.labels(model_name).info({
                 "block_size": str(engine_args.block_size), "kv_cache_dtype": str(engine_args.kv_cache_dtype),
                 "enable_prefix_caching": str(engine_args.enable_prefix_caching),
@@ -170,7 +177,7 @@ class ServerMetrics:
             labels = {"block_size": str(engine_args.block_size), "cache_dtype": str(engine_args.kv_cache_dtype),
                       "enable_prefix_caching": str(engine_args.enable_prefix_caching),
                       "gpu_memory_utilization": str(engine_args.gpu_memory_utilization),
-                      "num_gpu_blocks": str(initial_stats.num_blocks_total),
+                      "num_gpu_blocks": str(initial_stats[0].num_blocks_total),
                       "num_gpu_blocks_override": str(engine_args.num_gpu_blocks_override),
                       "swap_space": str(engine_args.swap_space), "cpu_offload_gb": str(engine_args.cpu_offload_gb)}
             Gauge("vllm:cache_config_info", "Information of the engine's cache configuration.", list(labels),
@@ -182,103 +189,107 @@ class ServerMetrics:
             self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
             self.lora_slot_loads = Counter("kvserve:lora_slot_loads", "LoRA adapters copied into a device slot "
-                                           "(first loads and LRU swaps beyond --max-loras)", ["model_name"],
+                                           "(first loads and LRU swaps beyond --max-loras)", L,
                                            registry=r)
         # Export every series from the start (zeros), as vLLM does: rate() and greps need them to exist.
-        for metric in vars(self).values():
-            if isinstance(metric, (Gauge, Counter, Histogram)) and metric._labelnames == ("model_name",):
-                metric.labels(model_name)
-        for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name, reason)
-        self._last: dict[str, float] = {}
+        for engine in self._engines:
+            for metric in vars(self).values():
+                if isinstance(metric, (Gauge, Counter, Histogram)) and metric._labelnames == tuple(L):
+                    metric.labels(model_name, engine)
+            for reason in ("stop", "length", "abort"):
+                self.request_success.labels(model_name, engine, reason)
+        self._last: dict[tuple[int, str], float] = {}
         self._progress: dict[str, _RequestProgress] = {}
-        if initial_stats is not None:
-            self.observe_stats(initial_stats)
+        for rank, stats in enumerate(initial_stats or []):
+            self.observe_stats(stats, rank)
 
     # ----- updates (engine thread) -----
 
-    def _advance(self, key: str, counter, value: float) -> None:
-        delta = value - self._last.get(key, 0)
+    def _m(self, rank: int) -> tuple[str, str]:
+        return self.model_name, str(rank)
+
+    def _advance(self, rank: int, key: str, counter, value: float) -> None:
+        delta = value - self._last.get((rank, key), 0)
         if delta > 0:
             counter.inc(delta)
-        self._last[key] = value
+        self._last[rank, key] = value
 
-    def observe_stats(self, s) -> None:
-        m = self.model_name
-        self.running.labels(m).set(s.num_running)
-        self.waiting.labels(m).set(s.num_waiting)
-        self.waiting_by_reason.labels(m, "capacity").set(s.num_waiting - s.num_waiting_deferred)
-        self.waiting_by_reason.labels(m, "deferred").set(s.num_waiting_deferred)
-        self.gpu_cache_usage.labels(m).set(s.kv_usage)
-        self.kv_cache_usage.labels(m).set(s.kv_usage)
-        self.cpu_cache_usage.labels(m).set(s.host_tier_usage)
-        self.host_usage.labels(m).set(s.host_tier_usage)
+    def observe_stats(self, s, rank: int = 0) -> None:
+        m = self._m(rank)
+        self.running.labels(*m).set(s.num_running)
+        self.waiting.labels(*m).set(s.num_waiting)
+        self.waiting_by_reason.labels(*m, "capacity").set(s.num_waiting - s.num_waiting_deferred)
+        self.waiting_by_reason.labels(*m, "deferred").set(s.num_waiting_deferred)
+        self.gpu_cache_usage.labels(*m).set(s.kv_usage)
+        self.kv_cache_usage.labels(*m).set(s.kv_usage)
+        self.cpu_cache_usage.labels(*m).set(s.host_tier_usage)
+        self.host_usage.labels(*m).set(s.host_tier_usage)
         # tier_hits counts resumes after preemption too, so the denominator does as well (vLLM V0's
         # allocator-level hit rate counted every lookup the same way).
         lookups = s.prefix_cache_queries + s.resume_prefix_cache_queries
         device_hits = s.tier_hits.get("device", s.prefix_cache_hits + s.resume_prefix_cache_hits)
-        self.gpu_hit_rate.labels(m).set(min(1.0, device_hits / lookups) if lookups else 0.0)
-        self.cpu_hit_rate.labels(m).set(min(1.0, s.tier_hits.get("host", 0) / lookups) if lookups else 0.0)
-        self.blocks_total.labels(m).set(s.num_blocks_total)
-        self.blocks_free.labels(m).set(s.num_blocks_free)
-        self.blocks_used.labels(m).set(s.num_blocks_used)
-        self.blocks_cached.labels(m).set(s.num_blocks_cached)
-        self.cached_usage.labels(m).set(s.cached_usage)
-        self.token_occupancy.labels(m).set(s.token_occupancy)
-        self._advance("pcq", self.pc_queries.labels(m), s.prefix_cache_queries)
-        self._advance("pch", self.pc_hits.labels(m), s.prefix_cache_hits)
-        self._advance("rq", self.resume_queries.labels(m), s.resume_prefix_cache_queries)
-        self._advance("rh", self.resume_hits.labels(m), s.resume_prefix_cache_hits)
-        self._advance("pre", self.preemptions.labels(m), s.num_preemptions)
-        if s.num_steps > self._last.get("steps", 0):  # a forward ran since the last look (one per loop pass)
-            self.iteration_tokens.labels(m).observe(s.last_step_tokens)
-        self._last["steps"] = s.num_steps
-        self._advance("ev", self.evictions.labels(m), s.num_cached_block_evictions)
-        self._advance("pt", self.prompt_tokens.labels(m), s.prompt_tokens_total)
-        self._advance("ptc", self.prompt_tokens_cached.labels(m), s.prompt_tokens_cached_total)
-        self._advance("pts:hit", self.prompt_tokens_by_source.labels(m, "local_cache_hit"), s.prompt_tokens_cached_total)
-        self._advance("pts:compute", self.prompt_tokens_by_source.labels(m, "local_compute"),
+        self.gpu_hit_rate.labels(*m).set(min(1.0, device_hits / lookups) if lookups else 0.0)
+        self.cpu_hit_rate.labels(*m).set(min(1.0, s.tier_hits.get("host", 0) / lookups) if lookups else 0.0)
+        self.blocks_total.labels(*m).set(s.num_blocks_total)
+        self.blocks_free.labels(*m).set(s.num_blocks_free)
+        self.blocks_used.labels(*m).set(s.num_blocks_used)
+        self.blocks_cached.labels(*m).set(s.num_blocks_cached)
+        self.cached_usage.labels(*m).set(s.cached_usage)
+        self.token_occupancy.labels(*m).set(s.token_occupancy)
+        self._advance(rank, "pcq", self.pc_queries.labels(*m), s.prefix_cache_queries)
+        self._advance(rank, "pch", self.pc_hits.labels(*m), s.prefix_cache_hits)
+        self._advance(rank, "rq", self.resume_queries.labels(*m), s.resume_prefix_cache_queries)
+        self._advance(rank, "rh", self.resume_hits.labels(*m), s.resume_prefix_cache_hits)
+        self._advance(rank, "pre", self.preemptions.labels(*m), s.num_preemptions)
+        if s.num_steps > self._last.get((rank, "steps"), 0):  # a forward ran since the last look (one per loop pass)
+            self.iteration_tokens.labels(*m).observe(s.last_step_tokens)
+        self._last[rank, "steps"] = s.num_steps
+        self._advance(rank, "ev", self.evictions.labels(*m), s.num_cached_block_evictions)
+        self._advance(rank, "pt", self.prompt_tokens.labels(*m), s.prompt_tokens_total)
+        self._advance(rank, "ptc", self.prompt_tokens_cached.labels(*m), s.prompt_tokens_cached_total)
+        self._advance(rank, "pts:hit", self.prompt_tokens_by_source.labels(*m, "local_cache_hit"), s.prompt_tokens_cached_total)
+        self._advance(rank, "pts:compute", self.prompt_tokens_by_source.labels(*m, "local_compute"),
                       s.prompt_tokens_computed_total)
-        self._advance("gt", self.generation_tokens.labels(m), s.generation_tokens_total)
+        self._advance(rank, "gt", self.generation_tokens.labels(*m), s.generation_tokens_total)
         for tier, hits in s.tier_hits.items():
-            self._advance("tier:" + tier, self.tier_hits.labels(m, tier), hits)
-        self._observe_tiers(s)
+            self._advance(rank, "tier:" + tier, self.tier_hits.labels(*m, tier), hits)
+        self._observe_tiers(s, rank)
         if self.lora_info is not None:
-            self._advance("lora_loads", self.lora_slot_loads.labels(m), s.lora_slot_loads)
+            self._advance(rank, "lora_loads", self.lora_slot_loads.labels(*m), s.lora_slot_loads)
             self.lora_info.clear()
             self.lora_info.labels(self.max_lora, ",".join(s.waiting_lora_adapters),
                                   ",".join(s.running_lora_adapters)).set_to_current_time()
 
-    def _observe_tiers(self, s) -> None:
-        m = self.model_name
+    def _observe_tiers(self, s, rank: int) -> None:
+        m = self._m(rank)
         for tier, frac in getattr(s, "tier_usage", {}).items():
-            self.tier_usage.labels(m, tier).set(frac)
-            self.tier_used_bytes.labels(m, tier).set(s.tier_used_bytes.get(tier, 0))
+            self.tier_usage.labels(*m, tier).set(frac)
+            self.tier_used_bytes.labels(*m, tier).set(s.tier_used_bytes.get(tier, 0))
         for result, values in (("hit", getattr(s, "tier_lookup_hits", {})), ("miss", getattr(s, "tier_misses", {}))):
             for tier, v in values.items():
-                self._advance(f"tl:{tier}:{result}", self.tier_lookups.labels(m, tier, result), v)
+                self._advance(rank, f"tl:{tier}:{result}", self.tier_lookups.labels(*m, tier, result), v)
         for kind, values in (("corrupt", getattr(s, "tier_corrupt", {})), ("incompatible", getattr(s, "tier_incompatible", {})),
                              ("error", getattr(s, "tier_errors", {})),
                              ("token_mismatch", getattr(s, "tier_token_mismatches", {}))):
             for tier, v in values.items():
-                self._advance(f"tf:{tier}:{kind}", self.tier_faults.labels(m, tier, kind), v)
+                self._advance(rank, f"tf:{tier}:{kind}", self.tier_faults.labels(*m, tier, kind), v)
         for direction, values in (("read", getattr(s, "tier_bytes_read", {})), ("written", getattr(s, "tier_bytes_written", {}))):
             for tier, v in values.items():
-                self._advance(f"tb:{tier}:{direction}", self.tier_bytes.labels(m, tier, direction), v)
-        self._advance("krb", self.restored_blocks.labels(m), getattr(s, "kv_restored_blocks", 0))
-        self._advance("krs", self.restore_seconds.labels(m), getattr(s, "kv_restore_seconds", 0.0))
-        self._advance("kob", self.offloaded_blocks.labels(m), getattr(s, "kv_offloaded_blocks", 0))
-        self._advance("kod", self.offload_dropped.labels(m), getattr(s, "kv_offload_dropped_blocks", 0))
-        self._advance("nsp", self.swapped_preemptions.labels(m), getattr(s, "num_swapped_preemptions", 0))
+                self._advance(rank, f"tb:{tier}:{direction}", self.tier_bytes.labels(*m, tier, direction), v)
+        self._advance(rank, "krb", self.restored_blocks.labels(*m), getattr(s, "kv_restored_blocks", 0))
+        self._advance(rank, "krs", self.restore_seconds.labels(*m), getattr(s, "kv_restore_seconds", 0.0))
+        self._advance(rank, "kob", self.offloaded_blocks.labels(*m), getattr(s, "kv_offloaded_blocks", 0))
+        self._advance(rank, "kod", self.offload_dropped.labels(*m), getattr(s, "kv_offload_dropped_blocks", 0))
+        self._advance(rank, "nsp", self.swapped_preemptions.labels(*m), getattr(s, "num_swapped_preemptions", 0))
         for reason, n in getattr(s, "kv_released_blocks", {}).items():
-            self._advance("rel:" + reason, self.released_blocks.labels(m, reason), n)
-        self._advance("sdd", self.spec_drafts.labels(m), getattr(s, "spec_decode_num_drafts", 0))
-        self._advance("sdt", self.spec_draft_tokens.labels(m), getattr(s, "spec_decode_num_draft_tokens", 0))
-        self._advance("sda", self.spec_accepted.labels(m), getattr(s, "spec_decode_num_accepted_tokens", 0))
+            self._advance(rank, "rel:" + reason, self.released_blocks.labels(*m, reason), n)
+        self._advance(rank, "sdd", self.spec_drafts.labels(*m), getattr(s, "spec_decode_num_drafts", 0))
+        self._advance(rank, "sdt", self.spec_draft_tokens.labels(*m), getattr(s, "spec_decode_num_draft_tokens", 0))
+        self._advance(rank, "sda", self.spec_accepted.labels(*m), getattr(s, "spec_decode_num_accepted_tokens", 0))
 
-    def observe_progress(self, p: RequestProgress, now: float) -> None:
+    def observe_progress(self, p: RequestProgress, now: float, rank: int = 0) -> None:
         """Per-token metrics of a request that gained tokens: TTFT once, then inter-token gaps."""
-        m = self.model_name
+        m = self._m(rank)
         prog = self._progress.get(p.request_id)
         if prog is None:
             prog = self._progress[p.request_id] = _RequestProgress(None, 0)
@@ -286,64 +297,66 @@ class ServerMetrics:
             token_time = p.last_token_time if p.last_token_time is not None else now
             if prog.last_token_time is None:
                 if p.first_token_time is not None:
-                    self.ttft.labels(m).observe(max(0.0, p.first_token_time - p.arrival_time))
+                    self.ttft.labels(*m).observe(max(0.0, p.first_token_time - p.arrival_time))
             else:
                 gap = max(0.0, token_time - prog.last_token_time)
-                self.itl.labels(m).observe(gap)
-                self.tpot.labels(m).observe(gap)
+                self.itl.labels(*m).observe(gap)
+                self.tpot.labels(*m).observe(gap)
             prog.last_token_time, prog.num_tokens = token_time, p.num_tokens
 
-    def observe_output(self, out, now: float) -> None:
+    def observe_output(self, out, now: float, rank: int = 0) -> None:
         """A request's output: per-token metrics (when no RequestProgress reported them), and
         request-level metrics once it has finished."""
         t = out.metrics
         self.observe_progress(RequestProgress(out.request_id, sum(len(o.token_ids) for o in out.outputs),
-                                              t.arrival_time, t.first_token_time, t.last_token_time), now)
+                                              t.arrival_time, t.first_token_time, t.last_token_time), now, rank)
         if out.finished:
-            self.observe_finished(out, now)
+            self.observe_finished(out, now, rank)
 
-    def observe_finished(self, out, now: float) -> None:
-        m, t = self.model_name, out.metrics
+    def observe_finished(self, out, now: float, rank: int = 0) -> None:
+        m, t = self._m(rank), out.metrics
         self._progress.pop(out.request_id, None)
         reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
-        self.request_success.labels(m, reasons[0] if reasons else "abort").inc()
-        self.req_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
-        self.req_prefill_computed.labels(m).observe(len(out.prompt_token_ids) - cached_prompt_tokens(out))
-        self.req_gen_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
+        self.request_success.labels(*m, reasons[0] if reasons else "abort").inc()
+        self.req_prompt_tokens.labels(*m).observe(len(out.prompt_token_ids))
+        self.req_prefill_computed.labels(*m).observe(len(out.prompt_token_ids) - cached_prompt_tokens(out))
+        self.req_gen_tokens.labels(*m).observe(sum(len(o.token_ids) for o in out.outputs))
         longest = max((len(o.token_ids) for o in out.outputs), default=0)
-        self.req_max_gen_tokens.labels(m).observe(longest)
-        self.req_params_n.labels(m).observe(len(out.outputs))
+        self.req_max_gen_tokens.labels(*m).observe(longest)
+        self.req_params_n.labels(*m).observe(len(out.outputs))
         if t.max_tokens is not None:
-            self.req_params_max_tokens.labels(m).observe(t.max_tokens)
+            self.req_params_max_tokens.labels(*m).observe(t.max_tokens)
         end = t.finished_time if t.finished_time is not None else now
-        self.e2e.labels(m).observe(max(0.0, end - t.arrival_time))
+        self.e2e.labels(*m).observe(max(0.0, end - t.arrival_time))
         if t.first_scheduled_time is not None:
-            self.queue_time.labels(m).observe(max(0.0, t.first_scheduled_time - t.arrival_time))
+            self.queue_time.labels(*m).observe(max(0.0, t.first_scheduled_time - t.arrival_time))
             if t.first_token_time is not None:
-                self.prefill_time.labels(m).observe(max(0.0, t.first_token_time - t.first_scheduled_time))
+                self.prefill_time.labels(*m).observe(max(0.0, t.first_token_time - t.first_scheduled_time))
             if t.last_token_time is not None:
-                self.inference_time.labels(m).observe(max(0.0, t.last_token_time - t.first_scheduled_time))
+                self.inference_time.labels(*m).observe(max(0.0, t.last_token_time - t.first_scheduled_time))
         if t.first_token_time is not None and t.last_token_time is not None:
-            self.decode_time.labels(m).observe(max(0.0, t.last_token_time - t.first_token_time))
+            self.decode_time.labels(*m).observe(max(0.0, t.last_token_time - t.first_token_time))
             if longest > 1:
-                self.request_tpot.labels(m).observe((t.last_token_time - t.first_token_time) / (longest - 1))
+                self.request_tpot.labels(*m).observe((t.last_token_time - t.first_token_time) / (longest - 1))
 
     def __call__(self, event: StepEvent) -> None:
         """StepListener entry point."""
-        self.observe_stats(event.stats)
+        rank = event.rank
+        if event.stats is not None:
+            self.observe_stats(event.stats, rank)
         reported = set()
         for p in event.progress:
-            self.observe_progress(p, event.now)
+            self.observe_progress(p, event.now, rank)
             reported.add(p.request_id)
         for out in event.outputs:
             if out.request_id not in reported:
-                self.observe_output(out, event.now)
+                self.observe_output(out, event.now, rank)
             elif out.finished:
-                self.observe_finished(out, event.now)
+                self.observe_finished(out, event.now, rank)
         for request_id in event.aborted:
             self._progress.pop(request_id, None)
-            self.request_success.labels(self.model_name, "abort").inc()
-        self._advance("step_errors", self.step_errors.labels(self.model_name), event.num_step_errors)
+            self.request_success.labels(*self._m(rank), "abort").inc()
+        self._advance(rank, "step_errors", self.step_errors.labels(*self._m(rank)), event.num_step_errors)
 
 
 class StatLogger:
@@ -351,30 +364,31 @@ class StatLogger:
 
     def __init__(self, interval_s: float = 10.0):
         self.interval_s = interval_s
-        self._last_time: float | None = None
-        self._last = None
+        self._last: dict[int, tuple[float, object]] = {}  # per data-parallel replica: (time, stats)
 
     def __call__(self, event: StepEvent) -> None:
         s, now = event.stats, event.now
-        if self._last_time is None:
-            self._last_time, self._last = now, s
+        if s is None:
             return
-        elapsed = now - self._last_time
+        if event.rank not in self._last:
+            self._last[event.rank] = now, s
+            return
+        last_time, p = self._last[event.rank]
+        elapsed = now - last_time
         if elapsed < self.interval_s:
             return
-        p = self._last
         queries = s.prefix_cache_queries - p.prefix_cache_queries
         hits = s.prefix_cache_hits - p.prefix_cache_hits
         logger.info(
-            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%% (cached-only %.1f%%, "
             "token occupancy %.1f%%), Prefix cache hit rate: %.1f%%, Preemptions: %d",
-            (s.prompt_tokens_total - p.prompt_tokens_total) / elapsed,
+            event.rank, (s.prompt_tokens_total - p.prompt_tokens_total) / elapsed,
             (s.generation_tokens_total - p.generation_tokens_total) / elapsed,
             s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * s.cached_usage,
             100 * s.token_occupancy, 100 * hits / queries if queries else 0.0,
             s.num_preemptions - p.num_preemptions)
-        self._last_time, self._last = now, s
+        self._last[event.rank] = now, s
 
 
 def cached_prompt_tokens(out) -> int:
