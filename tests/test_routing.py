@@ -72,11 +72,11 @@ def test_new_prefixes_spread_to_the_replica_with_fewest_cached_blocks():
     assert CacheAware().choose(b, reps) == 1
 
 
-def test_pending_requests_count_as_waiting_load():
+def test_pending_requests_count_as_load():
     hs = hashes(list(range(16)))
     reps = replicas(0, 0, held=[(0, hs)])
     policy, picks = CacheAware(), []
-    for _ in range(6):
+    for _ in range(12):
         rank = policy.choose(hs, reps)
         reps[rank].num_pending += 1
         picks.append(rank)

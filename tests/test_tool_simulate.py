@@ -192,3 +192,29 @@ def test_progress_lines_say_how_far_a_sweep_is(capsys):
                  "--kv-cache-memory", "64MiB,128MiB", "--progress"]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kvserve simulate:")]
     assert [line.split(" done")[0] for line in err] == ["kvserve simulate: 1/2", "kvserve simulate: 2/2"]
+
+
+def test_data_parallel_routing_keeps_prefixes_where_round_robin_scatters_them(tmp_path):
+    """Eight long system prompts over two replicas whose pools each hold about half of them: the
+    cache-aware router keeps each prompt on one replica, round-robin makes both thrash. The
+    routers are the server's own (kvserve.routing), fed by the simulated pools' KV events."""
+    import random
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(8)]
+    log = tmp_path / "requests.jsonl"
+    with open(log, "w") as f:
+        for i in range(160):
+            ids = prefixes[rng.randrange(8)] + [rng.randrange(100, 40000) for _ in range(8)]
+            f.write(format_request_log_record(request_id=f"r{i}", prompt_tokens=len(ids), output_tokens=4,
+                                              cached_tokens=0, ttft=0.01, e2e=0.02, finish_reason="length",
+                                              prompt_token_ids=ids, time=0.25 * i + 0.02) + "\n")
+    trace = trace_from_request_log(str(log))
+    rates = {}
+    for routing in ("round_robin", "least_loaded", "cache_aware"):
+        cfg = sim.SimConfig(block_size=16, num_blocks=80, data_parallel_size=2, data_parallel_routing=routing)
+        res = sim.simulate(trace, cfg, max_model_len=512, check_integrity=True)
+        assert res.error is None and res.num_requests == 160
+        rates[routing] = res.prefix_hit_rate
+    one = sim.simulate(trace, sim.SimConfig(block_size=16, num_blocks=80), max_model_len=512)
+    assert rates["cache_aware"] > rates["round_robin"] + 0.2, rates
+    assert rates["cache_aware"] > one.prefix_hit_rate, (rates, one.prefix_hit_rate)  # twice the pool, used as such

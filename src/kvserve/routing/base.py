@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from kvserve.routing.prefix_index import PrefixIndex
 
-# vLLM's data-parallel load score weighs a waiting request as four running ones: a waiting request
-# still needs its whole prefill, a running one only its next decode token.
-WAITING_WEIGHT = 4
+# Load counts outstanding requests, as SGLang's and vllm-router's do. vLLM's data-parallel score
+# weighs a waiting request as four running ones; here that tipped the balance rule on every short
+# burst and cost prefix hits (82.5 % against 85.2 % in bench/scale_out.py: bench/NOTES.md).
+WAITING_WEIGHT = 1
 
 
 @dataclass

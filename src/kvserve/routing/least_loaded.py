@@ -1,4 +1,4 @@
-"""Least loaded (vLLM's data-parallel balancing: running + 4 x waiting), blind to the cache."""
+"""Least loaded (outstanding requests: running, waiting and on their way), blind to the cache."""
 from __future__ import annotations
 
 from kvserve.routing.base import Replica, RoutingPolicy, alive, least_loaded

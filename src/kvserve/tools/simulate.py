@@ -18,7 +18,10 @@ from kvserve.config import (BLOCK_SIZES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, C
                             check_writable, parse_size)
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.kv.events import KVEventSink
+from kvserve.kv.hashing import extend_block_hashes, root_hash
 from kvserve.kv.manager import KVCacheManager
+from kvserve.routing import POLICIES, Replica, make_policy
 from kvserve.sched.scheduler import Scheduler
 from kvserve.tools.cost_model import CostModelRunner, StepCost
 from kvserve.tools.plan import DTYPE_BYTES, fmt_bytes, kv_bytes_per_block, normalize_dtype, plan_kv
@@ -44,6 +47,8 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    data_parallel_size: int = 1  # replicas, each with num_blocks of its own
+    data_parallel_routing: str = "cache_aware"
 
 
 @dataclass
@@ -99,6 +104,21 @@ class ReplayRunner(CostModelRunner):
         return super().token_for(request_id, position)
 
 
+class _Replica:
+    """One data-parallel replica: its own pool, scheduler, cost-model runner and clock."""
+
+    def __init__(self, cfg: SimConfig, max_model_len: int, runner) -> None:
+        self.events = KVEventSink()  # what the router learns, as from an engine core's KV events
+        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.kv_cache_dtype,
+                                 events=self.events if cfg.data_parallel_size > 1 else None)
+        self.sched = Scheduler(SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=max_model_len, enable_chunked_prefill=cfg.enable_chunked_prefill,
+            scheduling_policy=cfg.scheduling_policy, cache_aware_scheduling=cfg.cache_aware_scheduling), self.kv)
+        self.runner = runner
+        self.clock = 0.0
+
+
 def turn_request_id(conversation_id: str, turn: int) -> str:
     return f"{conversation_id}/t{turn}"
 
@@ -111,21 +131,21 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
         res.error = (f"the pool holds {cfg.num_blocks * cfg.block_size} tokens, less than max-model-len "
                      f"{max_model_len}: give it more KV memory or lower --max-model-len")
         return res
-    kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.kv_cache_dtype)
-    sched = Scheduler(SchedulerConfig(
-        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=max_model_len, enable_chunked_prefill=cfg.enable_chunked_prefill,
-        scheduling_policy=cfg.scheduling_policy, cache_aware_scheduling=cfg.cache_aware_scheduling), kv)
     recorded: dict[str, tuple[int, list[int]]] = {}
-    runner = ReplayRunner(recorded, vocab_size=vocab_size, cost=cost)
+    replicas = [_Replica(cfg, max_model_len, ReplayRunner(recorded, vocab_size=vocab_size, cost=cost))
+                for _ in range(cfg.data_parallel_size)]
+    policy = make_policy(cfg.data_parallel_routing)
+    views = [Replica(i) for i in range(len(replicas))]  # what the front end's router sees of each
     convs = {c.conversation_id: c for c in trace.conversations}
     seq = itertools.count()
     # (arrival, order, conversation id, turn, prompt ids): order keeps ties in trace order.
     pending = [(c.arrival_time, next(seq), c.conversation_id, 0, list(c.first_prompt)) for c in trace.conversations]
     heapq.heapify(pending)
     arrival, first_token, ttfts, e2es = {}, {}, [], []
-    clock = pending[0][0] if pending else 0.0
-    start, used_time = clock, 0.0
+    start = pending[0][0] if pending else 0.0
+    for r in replicas:
+        r.clock = start
+    used_time = 0.0
 
     def admit(item) -> None:
         t, _, cid, k, prompt = item
@@ -138,38 +158,48 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
         if answers is not None and k < len(answers):
             recorded[rid] = (len(prompt), answers[k])
         params = SamplingParams(max_tokens=turn.output_len, ignore_eos=True, temperature=0.0)
+        for view, r in zip(views, replicas):  # the router's view as of now: events and load
+            view.index.apply(r.events.drain())
+            view.num_running, view.num_waiting = len(r.sched.running), r.sched.num_waiting
+        hashes = extend_block_hashes([], root_hash(cfg.kv_cache_dtype), prompt, cfg.block_size)
+        r = replicas[policy.choose(hashes, views) if len(replicas) > 1 else 0]
+        if not r.sched.has_unfinished_requests():
+            r.clock = max(r.clock, t)  # an idle replica's clock waits for its next arrival
         # Arrival gets a sub-nanosecond tiebreak so equal trace times keep trace order, as
         # monotonic clock readings do in the engine.
         req = Request(rid, prompt, params, arrival_time=t + res.num_requests * 1e-12, priority=convs[cid].priority)
-        sched.add_request(req)
+        r.sched.add_request(req)
         arrival[rid] = t
         res.num_requests += 1
         res.prompt_tokens += len(prompt)
 
-    while pending or sched.has_unfinished_requests():
-        while pending and pending[0][0] <= clock:
+    while True:
+        busy = [r for r in replicas if r.sched.has_unfinished_requests()]
+        if not pending and not busy:
+            break
+        # The next event: an arrival, or a step of the replica whose clock is furthest behind.
+        r = min(busy, key=lambda x: x.clock) if busy else None
+        if pending and (r is None or pending[0][0] <= r.clock):
             admit(heapq.heappop(pending))
-        if not sched.has_unfinished_requests():
-            if pending:
-                clock = max(clock, pending[0][0])
             continue
-        out = sched.schedule()
+        out = r.sched.schedule()
         if out.is_empty and not out.finished_req_ids:
-            if not sched.running and not pending:
-                res.error = f"{sched.num_waiting} request(s) can never be scheduled (pool of {cfg.num_blocks} blocks)"
+            if not r.sched.running and not pending:
+                res.error = (f"{r.sched.num_waiting} request(s) can never be scheduled "
+                             f"(pool of {cfg.num_blocks} blocks)")
                 break
-            if not sched.running:
-                clock = pending[0][0]
+            if not r.sched.running:
+                r.clock = pending[0][0]
             continue
-        before = runner.elapsed_s
-        result = runner.execute(out)
-        touched = sched.update_from_output(out, result)
+        before = r.runner.elapsed_s
+        result = r.runner.execute(out)
+        touched = r.sched.update_from_output(out, result)
         if check_integrity:
-            kv.check_integrity()
-        dt = runner.elapsed_s - before
-        used = kv.pool.num_used_blocks
+            r.kv.check_integrity()
+        dt = r.runner.elapsed_s - before
+        used = r.kv.pool.num_used_blocks
         used_time += used * dt
-        clock += dt
+        r.clock += dt
         res.num_steps += 1
         res.blocks_used_per_step.append(used)
         res.peak_blocks_used = max(res.peak_blocks_used, used)
@@ -177,24 +207,29 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
             rid = req.request_id
             res.output_tokens += 1
             if rid not in first_token:
-                first_token[rid] = clock
-                ttfts.append(clock - arrival[rid])
+                first_token[rid] = r.clock
+                ttfts.append(r.clock - arrival[rid])
             if req.is_finished:
-                e2es.append(clock - arrival[rid])
+                e2es.append(r.clock - arrival[rid])
                 cid, k = rid.rsplit("/t", 1)
                 k = int(k) + 1
                 if k < len(convs[cid].turns):
                     prompt = req.all_token_ids + convs[cid].turns[k].user_token_ids
-                    heapq.heappush(pending, (clock, next(seq), cid, k, prompt))
-    s = kv.stats
-    res.prefix_cache_queries, res.prefix_cache_hits = s.queries, s.hits
-    res.resume_prefix_cache_queries, res.resume_prefix_cache_hits = s.resume_queries, s.resume_hits
-    res.num_preemptions = sched.num_preemptions
-    res.num_cached_block_evictions = kv.pool.num_evictions
+                    heapq.heappush(pending, (r.clock, next(seq), cid, k, prompt))
+    clock = max(r.clock for r in replicas)
+    num_blocks = cfg.num_blocks * len(replicas)
+    for r in replicas:
+        s = r.kv.stats
+        res.prefix_cache_queries += s.queries
+        res.prefix_cache_hits += s.hits
+        res.resume_prefix_cache_queries += s.resume_queries
+        res.resume_prefix_cache_hits += s.resume_hits
+        res.num_preemptions += r.sched.num_preemptions
+        res.num_cached_block_evictions += r.kv.pool.num_evictions
     res.peak_kv_usage = res.peak_blocks_used / cfg.num_blocks
     res.sim_time_s = clock - start
     if res.sim_time_s > 0:
-        res.mean_kv_usage = used_time / res.sim_time_s / cfg.num_blocks
+        res.mean_kv_usage = used_time / res.sim_time_s / num_blocks
         res.request_throughput = len(e2es) / res.sim_time_s
         res.output_throughput = res.output_tokens / res.sim_time_s
     if ttfts:
@@ -264,18 +299,23 @@ def build_configs(args, model_cfg, model_dtype: str) -> list[SimConfig]:
     seqs = _list(args.max_num_seqs, "--max-num-seqs", _positive_int)
     policies = _list(args.scheduling_policy, "--scheduling-policy", _choice(SCHEDULING_POLICIES))
     aware = _list(args.cache_aware_scheduling, "--cache-aware-scheduling", _on_off)
+    dps = _list(args.data_parallel_size, "--data-parallel-size", _positive_int)
+    routings = _list(args.data_parallel_routing, "--data-parallel-routing", _choice(sorted(POLICIES)))
     if args.num_blocks is not None:
         pools = [(None, n) for n in _list(args.num_blocks, "--num-blocks", _positive_int)]
     else:
         pools = [(m, None) for m in _list(args.kv_cache_memory, "--kv-cache-memory",
                                           lambda x: parse_size(x, "--kv-cache-memory"))]
     configs = []
-    for bs, mem_blocks, dt, n, pol, ca in itertools.product(sizes, pools, dtypes, seqs, policies, aware):
+    for bs, mem_blocks, dt, n, pol, ca, dp, routing in itertools.product(sizes, pools, dtypes, seqs, policies,
+                                                                         aware, dps, routings):
         mem, blocks = mem_blocks
         if blocks is None:  # the engine's arithmetic, quantized caches' residual pool included
             blocks = plan_kv(model_cfg, mem, bs, dt, model_dtype, max_num_seqs=n).num_blocks
+        if dp == 1 and routing != routings[0]:
+            continue  # one replica: nothing to route
         configs.append(SimConfig(bs, blocks, dt, mem, n, pol, ca, args.max_num_batched_tokens,
-                                 not args.no_prefix_caching))
+                                 not args.no_prefix_caching, data_parallel_size=dp, data_parallel_routing=routing))
     return configs
 
 
@@ -328,6 +368,9 @@ def format_report(r: SweepReport) -> str:
              f"  {'block':>5} {'KV memory':>11} {'blocks':>7} {'kv dtype':>8} {'seqs':>5} {'policy':>8} {'LPM':>3} |"
              f" {'hit rate':>8} {'peak KV':>7} {'mean KV':>7} {'preempt':>7} {'evict':>6} | {'tok/s':>9} {'req/s':>7}"
              f" {'TTFT ms':>8} {'p99 ms':>8}"]
+    dp = any(x.config.data_parallel_size > 1 for x in r.results)
+    if dp:
+        lines[-1] += f" | {'dp':>2} {'routing':<12}"
     for x in r.results:
         c = x.config
         mem = fmt_bytes(c.kv_cache_memory) if c.kv_cache_memory is not None else "-"
@@ -338,7 +381,8 @@ def format_report(r: SweepReport) -> str:
             continue
         lines.append(f"{head} {x.prefix_hit_rate:>8.1%} {x.peak_kv_usage:>7.1%} {x.mean_kv_usage:>7.1%} "
                      f"{x.num_preemptions:>7,} {x.num_cached_block_evictions:>6,} | {x.output_throughput:>9,.0f} "
-                     f"{x.request_throughput:>7,.2f} {x.mean_ttft_s * 1e3:>8,.1f} {x.p99_ttft_s * 1e3:>8,.1f}")
+                     f"{x.request_throughput:>7,.2f} {x.mean_ttft_s * 1e3:>8,.1f} {x.p99_ttft_s * 1e3:>8,.1f}"
+                     + (f" | {c.data_parallel_size:>2} {c.data_parallel_routing:<12}" if dp else ""))
     lines += [""] + [f"NOTE: {n}" for n in r.notes]
     return "\n".join(lines).rstrip()
 
@@ -377,6 +421,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--cache-aware-scheduling", default="off", help="off, on (SGLang-style longest prefix first)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--data-parallel-size", default="1", help="replicas, each with the KV budget above")
+    s.add_argument("--data-parallel-routing", default="cache_aware", help=", ".join(sorted(POLICIES)))
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-': print JSON instead of the table)")
     p.add_argument("--progress", action="store_true",
                    help="a line on stderr per configuration of the sweep (on by default at a terminal)")
