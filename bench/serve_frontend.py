@@ -11,7 +11,9 @@ request while huge prompts arrive.
 Parts:
   bench     random 384 in / 128 out, 64 prompts, --ignore-eos, each run after an identical warm-up
             run (its prompts cached), at --request-rate inf and at --rate (near saturation)
-  stream    64 cached prompts through /v1/completions, streaming and not, one client each
+  stream    64 cached prompts through /v1/completions, streaming and not, one connection each, with a
+            bare asyncio client and with httpx; CPU seconds of the API server, the engine core and
+            the client per run (/proc), and what a streamed event cost each
   stall     3 concurrent 10 MB prompts; meanwhile /health every 20 ms and a 1-token completion
 Each server runs alone, one after the other, at its defaults (vLLM with its recommended
 tcmalloc and Intel OpenMP preloads and cores bound). Prints tables; writes
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
 from helpers import free_port  # noqa: E402
+from server_util import child_pids  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -104,43 +107,108 @@ def vllm_bench(venvs: Path, tokenizer: Path, url: str, rate: str, out: Path) -> 
     return {k: r[k] for k in keys if k in r} | {"command": " ".join(cmd)}
 
 
-async def stream_vs_plain(url: str, prompts: list[list[int]], out_len: int) -> dict:
-    async def one(client: httpx.AsyncClient, p: list[int], stream: bool) -> int:
-        body = {"model": MODEL, "prompt": p, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (/proc; 0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class RawHTTP(asyncio.Protocol):
+    """One POST over its own connection, read to the server's close: the cheapest client asyncio
+    allows (no HTTP parsing while bytes arrive), so that what a run costs on the shared CPUs is the
+    server's, not the client's."""
+
+    def __init__(self, request: bytes, done: asyncio.Future):
+        self.request, self.done, self.data = request, done, bytearray()
+
+    def connection_made(self, transport) -> None:
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(bytes(self.data))
+
+
+async def raw_post(host: str, port: int, path: str, body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    request = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    await loop.create_connection(lambda: RawHTTP(request, done), host, port)
+    response = await done
+    head, _, rest = response.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"{path}: {head[:200]!r} {rest[:500]!r}")
+    return rest
+
+
+async def stream_vs_plain(server: Server, prompts: list[list[int]], out_len: int, client: str) -> dict:
+    """`client`: httpx (one AsyncClient per request, as bench/server_mode.py) or raw (RawHTTP)."""
+    url = server.url
+    host, port = "127.0.0.1", server.port
+
+    def body(p: list[int], stream: bool) -> dict:
+        return {"model": MODEL, "prompt": p, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
                 "stream": stream}
+
+    async def one_raw(p: list[int], stream: bool) -> int:
+        data = await raw_post(host, port, "/v1/completions", body(p, stream))
+        return data.count(b"data: ") - 1 if stream else 0  # the last is [DONE]
+
+    async def one_httpx(c: httpx.AsyncClient, p: list[int], stream: bool) -> int:
         if not stream:
-            r = await client.post("/v1/completions", json=body)
+            r = await c.post("/v1/completions", json=body(p, stream))
             r.raise_for_status()
-            return r.json()["usage"]["completion_tokens"]
+            return 0
         # Counts events in the raw bytes: parsing every line in Python would spend this 2-core
         # machine's CPU on the client, which is what the comparison must leave to the server.
         data = 0
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with c.stream("POST", "/v1/completions", json=body(p, stream)) as r:
             tail = b""
             async for chunk in r.aiter_raw():
                 data += (tail + chunk).count(b"data: ") - tail.count(b"data: ")
                 tail = chunk[-5:]
         return data - 1  # the last is [DONE]
 
-    async def run(stream: bool) -> tuple[float, int]:
-        clients = [httpx.AsyncClient(base_url=url, timeout=600) for _ in prompts]
+    async def run(stream: bool) -> dict:
+        clients = [httpx.AsyncClient(base_url=url, timeout=600) for _ in prompts] if client == "httpx" else []
+        core = child_pids(server.proc.pid)
+        before = (cpu_seconds(server.proc.pid), sum(map(cpu_seconds, core)), time.process_time())
         try:
             start = time.perf_counter()
-            counts = await asyncio.gather(*(one(c, p, stream) for c, p in zip(clients, prompts)))
-            return time.perf_counter() - start, sum(counts)
+            if client == "httpx":
+                counts = await asyncio.gather(*(one_httpx(c, p, stream) for c, p in zip(clients, prompts)))
+            else:
+                counts = await asyncio.gather(*(one_raw(p, stream) for p in prompts))
+            seconds = time.perf_counter() - start
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
+        after = (cpu_seconds(server.proc.pid), sum(map(cpu_seconds, core)), time.process_time())
+        cpu = [b - a for a, b in zip(before, after)]
+        return {"seconds": seconds, "events": sum(counts), "api_server_cpu_s": cpu[0], "engine_core_cpu_s": cpu[1],
+                "client_cpu_s": cpu[2]}
 
     await run(False)  # caches the prompts
-    result = {}
+    runs: dict[str, list[dict]] = {"non_streaming": [], "streaming": []}
     for stream in (False, True, False, True):
-        seconds, count = await run(stream)
-        key = "streaming" if stream else "non_streaming"
-        result[key] = min(result.get(key, seconds), seconds)
-        if stream:
-            result["sse_events"] = count
-    result["streaming_vs_non_streaming"] = result["streaming"] / result["non_streaming"]
-    return result
+        runs["streaming" if stream else "non_streaming"].append(await run(stream))
+    best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
+    plain, streamed = best["non_streaming"], best["streaming"]
+    events = streamed["events"]
+    return {"client": client, "non_streaming": plain["seconds"], "streaming": streamed["seconds"],
+            "sse_events": events, "streaming_vs_non_streaming": streamed["seconds"] / plain["seconds"],
+            # what each streamed event cost each process, from the best runs' CPU seconds
+            "api_server_us_per_event": 1e6 * (streamed["api_server_cpu_s"] - plain["api_server_cpu_s"]) / events,
+            "client_us_per_event": 1e6 * (streamed["client_cpu_s"] - plain["client_cpu_s"]) / events,
+            "runs": runs}
 
 
 async def stall(url: str, size: int = 10 * 2**20, huge: int = 3) -> dict:
@@ -184,6 +252,9 @@ def main() -> int:
     ap.add_argument("--servers", default="kvserve,vllm")
     ap.add_argument("--parts", default="bench,stream,stall")
     ap.add_argument("--rate", default="5", help="the finite request rate (req/s) of the bench part")
+    ap.add_argument("--clients", default="raw,httpx",
+                    help="the stream part's clients: raw (a bare asyncio protocol, the server's cost alone) and/or "
+                         "httpx (one AsyncClient per request)")
     ap.add_argument("--venvs", type=Path, default=ROOT / "bench" / ".venvs")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "serve_frontend.json")
     args = ap.parse_args()
@@ -205,7 +276,8 @@ def main() -> int:
                 import random
                 rng = random.Random(0)
                 prompts = [[rng.randrange(49152) for _ in range(384)] for _ in range(64)]
-                res["stream"] = asyncio.run(stream_vs_plain(server.url, prompts, 128))
+                for client in args.clients.split(","):
+                    res[f"stream_{client}"] = asyncio.run(stream_vs_plain(server, prompts, 128, client))
             if name != "vllm" and "stall" in parts:
                 res["stall"] = asyncio.run(stall(server.url))
         finally:
@@ -223,10 +295,17 @@ def main() -> int:
                           f"{b['mean_ttft_ms']:10.1f} {b['p99_ttft_ms']:9.1f} {b['mean_tpot_ms']:10.1f} "
                           f"{b['p99_itl_ms']:8.1f}")
     for name, k in report["results"].items():
-        if "stream" in k:
-            s = k["stream"]
-            print(f"\n{name}, 64 cached prompts 384/128: non-streaming {s['non_streaming']:.2f} s, streaming "
-                  f"{s['streaming']:.2f} s ({s['streaming_vs_non_streaming']:.2f}x), {s['sse_events']} SSE events")
+        for client in args.clients.split(","):
+            s = k.get(f"stream_{client}")
+            if s is None:
+                continue
+            p, q = (min(s["runs"][m], key=lambda r: r["seconds"]) for m in ("non_streaming", "streaming"))
+            print(f"\n{name}, 64 cached prompts 384/128, {client} client: non-streaming {s['non_streaming']:.2f} s, "
+                  f"streaming {s['streaming']:.2f} s ({s['streaming_vs_non_streaming']:.2f}x), {s['sse_events']} SSE "
+                  f"events\n  CPU s (non-streaming / streaming): API server {p['api_server_cpu_s']:.2f} / "
+                  f"{q['api_server_cpu_s']:.2f}, engine core {p['engine_core_cpu_s']:.2f} / {q['engine_core_cpu_s']:.2f}, "
+                  f"client {p['client_cpu_s']:.2f} / {q['client_cpu_s']:.2f}; a streamed event: API server "
+                  f"{s['api_server_us_per_event']:.0f} us, client {s['client_us_per_event']:.0f} us")
         if "stall" not in k:
             continue
         s = k["stall"]

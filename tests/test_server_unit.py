@@ -5,6 +5,8 @@ import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 from server_util import parse_metrics
@@ -392,3 +394,22 @@ def test_outputs_a_slow_reader_has_not_read_merge_into_one():
     assert first.outputs[0].token_ids == [1, 2, 3] and first.outputs[0].delta_token_ids == [1, 2, 3]
     assert first.outputs[0].delta_text == "123" and not first.finished
     assert last.finished and last.outputs[0].delta_token_ids == [4]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(), request_id=st.text(min_size=1), model=st.text(min_size=1), index=st.integers(0, 200),
+       created=st.integers(0, 2**40), finish=st.sampled_from([None, "stop", "length", "abort"]),
+       stop=st.one_of(st.none(), st.integers(0, 2**31), st.text()))
+def test_stream_chunk_templates_write_what_the_models_write(text, request_id, model, index, created, finish, stop):
+    """The streamed events' fast path: the same bytes as the pydantic chunks, any text (quotes,
+    controls, non-ASCII, emoji), chat and completions."""
+    from kvserve.server import protocol as P
+    from kvserve.server.sse import ChunkTemplate, chat_chunk, sse_event
+    completion = P.CompletionChunk(id=request_id, created=created, model=model, choices=[
+        P.CompletionStreamChoice(index=index, text=text, finish_reason=finish, stop_reason=stop)])
+    assert ChunkTemplate(request_id, created, model, chat=False).event(index, text, finish, stop) == \
+        sse_event(completion.model_dump())
+    chat = P.ChatCompletionChunk(id=request_id, created=created, model=model, choices=[P.ChatStreamChoice(
+        index=index, delta=P.DeltaMessage(content=text), finish_reason=finish, stop_reason=stop)])
+    assert ChunkTemplate(request_id, created, model, chat=True).event(index, text, finish, stop) == \
+        sse_event(chat_chunk(chat))

@@ -137,7 +137,8 @@ class OutputRebuilder:
         if out.prompt_logprobs is not None:
             acc.prompt_logprobs = out.prompt_logprobs
         delta_kind = acc.kind == RequestOutputKind.DELTA
-        outputs = []
+        # Filled in place: the output was just unpickled and nothing else holds it (a streamed
+        # token's two dataclasses.replace calls were 2.7 of the rebuild's 3.8 us).
         for o in out.outputs:
             i = o.index
             text = acc.texts[i] = acc.texts.get(i, "") + o.delta_text
@@ -151,9 +152,9 @@ class OutputRebuilder:
                 text, ids, lps = o.delta_text, list(o.delta_token_ids), o.delta_logprobs
             else:
                 ids, lps = list(ids), None if lps is None else list(lps)
-            outputs.append(dataclasses.replace(o, text=text, token_ids=ids, logprobs=lps))
-        return dataclasses.replace(out, prompt=acc.prompt, prompt_token_ids=acc.prompt_token_ids, outputs=outputs,
-                                   prompt_logprobs=acc.prompt_logprobs)
+            o.text, o.token_ids, o.logprobs = text, ids, lps
+        out.prompt, out.prompt_token_ids, out.prompt_logprobs = acc.prompt, acc.prompt_token_ids, acc.prompt_logprobs
+        return out
 
 
 class MPClient:

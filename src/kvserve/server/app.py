@@ -11,11 +11,10 @@ import json
 import logging
 import re
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,7 +26,7 @@ from kvserve.server.auth import Authenticator, effective_cache_salt
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError
 from kvserve.server.serving import OpenAIServing, ServingConfig
-from kvserve.server.sse import sse_event
+from kvserve.server.sse import EventStreamResponse, sse_event
 from kvserve.version import __version__
 
 logger = logging.getLogger("kvserve.server")
@@ -167,41 +166,14 @@ async def _until_disconnect(request: Request, coro):
     return None if task.cancelled() else task.result()
 
 
-async def _guard_stream(request: Request, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Stream SSE chunks; stop (and abort the request) the moment the client disconnects, even
-    while the request is still queued and has produced nothing to send."""
-    listener = asyncio.ensure_future(_wait_for_disconnect(request))
-    nxt: asyncio.Future | None = None
-    try:
-        while True:
-            nxt = asyncio.ensure_future(chunks.__anext__())
-            await asyncio.wait({nxt, listener}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
-                logger.info("client disconnected mid-stream; request aborted")
-                return
-            try:
-                chunk = nxt.result()
-            except StopAsyncIteration:
-                return
-            nxt = None
-            yield chunk
-    except EngineStepError as e:
-        yield sse_event(APIError(str(e), status=500, type="InternalServerError").to_dict())
-        yield "data: [DONE]\n\n"
-    except EngineDeadError as e:  # shutdown (--shutdown-timeout) or a dead loop: the 503 a non-streamed one gets
-        yield sse_event(APIError(f"the engine is not running: {e}", status=503, type="ServiceUnavailableError").to_dict())
-        yield "data: [DONE]\n\n"
-    finally:
-        # Nothing here may suspend: when Starlette cancels this response (its own disconnect
-        # watch), anyio cancels any await in scope. Cancelling a pending __anext__ runs the
-        # generator's finally (the abort) in that task; closing an idle generator runs it here,
-        # synchronously (the serving generators' cleanup never awaits).
-        listener.cancel()
-        if nxt is not None and not nxt.done():
-            nxt.cancel()
-        else:
-            with contextlib.suppress(RuntimeError):
-                await chunks.aclose()
+def _stream_error(e: BaseException) -> list[str] | None:
+    """The last events of a stream whose engine failed mid-way (None: not an engine failure)."""
+    if isinstance(e, EngineStepError):
+        return [sse_event(APIError(str(e), status=500, type="InternalServerError").to_dict()), "data: [DONE]\n\n"]
+    if isinstance(e, EngineDeadError):  # shutdown (--shutdown-timeout) or a dead loop: the 503 a non-streamed one gets
+        return [sse_event(APIError(f"the engine is not running: {e}", status=503,
+                                   type="ServiceUnavailableError").to_dict()), "data: [DONE]\n\n"]
+    return None
 
 
 # Fields that take one of several forms, and how to say which (pydantic lists each form's failure).
@@ -290,8 +262,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
     async def respond(request: Request, result):
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(_guard_stream(request, result), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStreamResponse(result, _stream_error)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: P.CompletionRequest, request: Request, who: str | None = Depends(tenant)):

@@ -26,7 +26,7 @@ from kvserve.engine.outputs import RequestError
 from kvserve.model.tokenizer import TokenizerError, check_chat_template_kwargs
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
-from kvserve.server.sse import chat_chunk, sse_event
+from kvserve.server.sse import ChunkTemplate, chat_chunk, sse_event
 
 logger = logging.getLogger("kvserve.server")
 
@@ -361,6 +361,7 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             finished: set[int] = set()  # a choice's outputs keep coming while its siblings run (n > 1)
+            template = ChunkTemplate(admitted.request_id, created, self._served_name(req), chat=False)
             async for i, out in _merge(admitted):
                 finals[i] = out
                 for o in out.outputs:
@@ -374,8 +375,12 @@ class OpenAIServing:
                         text, ids, lps = self._echoed(req, out, echoes[i], text, ids, lps)
                     if not text and not o.finish_reason and not o.delta_logprobs:
                         continue
-                    lp = self._completion_logprobs(ids, lps, req.logprobs, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(text)
+                    start = offsets.get(index, 0)
+                    offsets[index] = start + len(text)  # also marks the echo as sent
+                    if lps is None and not (include_usage and continuous):
+                        yield template.event(index, text, o.finish_reason, o.stop_reason)
+                        continue
+                    lp = self._completion_logprobs(ids, lps, req.logprobs, start)
                     chunk = P.CompletionChunk(id=admitted.request_id, created=created, model=self._served_name(req), choices=[
                         P.CompletionStreamChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
                                                  stop_reason=o.stop_reason)])
@@ -452,6 +457,7 @@ class OpenAIServing:
                     role.usage = self._choice_usage(prompt_len, 0, 0)
                 yield sse_event(chat_chunk(role))
             last = None
+            template = ChunkTemplate(rid, created, model, chat=True)
             finished: set[int] = set()  # a choice's outputs keep coming while its siblings run (n > 1)
             async for _, out in _merge(admitted):
                 last = out
@@ -461,6 +467,9 @@ class OpenAIServing:
                     if o.finish_reason:
                         finished.add(o.index)
                     if not o.delta_text and not o.finish_reason and not o.delta_logprobs:
+                        continue
+                    if o.delta_logprobs is None and not (include_usage and continuous):
+                        yield template.event(o.index, o.delta_text, o.finish_reason, o.stop_reason)
                         continue
                     chunk = P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[P.ChatStreamChoice(
                         index=o.index, delta=P.DeltaMessage(content=o.delta_text), finish_reason=o.finish_reason,
