@@ -277,19 +277,23 @@ def mode_capacity(args) -> None:
 
 def mode_overhead(args) -> None:
     """What one compressed request costs the batch it joins: decode-step time of 8 plain requests
-    (SmolLM2, bf16, 512-token prompts) alone, and beside one streaming or one h2o request."""
+    (SmolLM2, bf16, 512-token prompts) alone, beside a ninth plain one, and beside one streaming
+    or one h2o request instead (the ninth request's own share of the step is the 9 plain row)."""
     llm = LLM(None, block_size=BS, max_model_len=4096, enable_prefix_caching=False)
     eng = llm.engine
     prompts = [[(31 * i + 17 * j) % 40000 + 100 for j in range(512)] for i in range(9)]
-    configs = [("8 plain", None), ("8 plain + 1 streaming", {"method": "streaming", "sink_tokens": 4, "window": 256}),
-               ("8 plain + 1 h2o", {"method": "h2o", "heavy_tokens": 128, "window": 128})]
+    configs = [("8 plain", None), ("9 plain", "none"),
+               ("8 plain + 1 streaming", {"method": "streaming", "sink_tokens": 4, "window": 256}),
+               ("8 plain + 1 h2o", {"method": "h2o", "heavy_tokens": 128, "window": 128}),
+               ("8 plain + 1 snapkv", {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 128, "window": 128})]
     rows = []
     for rep in range(2):  # alternate, as the machine drifts
         for label, comp in configs:
             n = 8 if comp is None else 9
             for i in range(n):
                 eng.add_request(f"{label}-{rep}-{i}", prompts[i], SamplingParams(
-                    temperature=0, max_tokens=96, ignore_eos=True, kv_compression=comp if i == 8 else None))
+                    temperature=0, max_tokens=96, ignore_eos=True,
+                    kv_compression=comp if i == 8 and comp != "none" else None))
             times = []
             while eng.has_unfinished_requests():
                 t = time.perf_counter()
