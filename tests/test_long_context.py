@@ -325,6 +325,27 @@ def test_scores_stay_in_the_compiled_layer_loop(tmp_path):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
 
+def test_decode_graphs_never_replay_released_or_scored_entries():
+    """A CUDA graph captures positions = start_pos and tables from block 0: a decode whose
+    table misses released blocks, or whose rows are scored (h2o), runs eagerly (tests/test_cuda.py
+    runs it on a GPU)."""
+    from types import SimpleNamespace
+
+    from kvserve.core.step import ScheduledRequest, SchedulerOutput
+    from kvserve.runner.model_runner import ModelRunner
+    runner = SimpleNamespace(graphs=SimpleNamespace(size_for=lambda n: n))
+
+    def step(comp=None, released=0):
+        req = Request("r", list(range(100)), greedy(4, kv_compression=comp))
+        return SchedulerOutput([ScheduledRequest(req, 100, 1, list(range(7)), True, num_released_tokens=released)])
+    assert ModelRunner._replays(runner, step())
+    assert ModelRunner._replays(runner, step({"method": "streaming", "window": 32}))  # nothing released yet
+    assert not ModelRunner._replays(runner, step({"method": "streaming", "window": 32}, released=32))
+    assert not ModelRunner._replays(runner, step({"method": "h2o", "heavy_tokens": 32, "window": 32}))
+    # snapkv scores only the prompt's last chunk: its decodes replay until blocks are released
+    assert ModelRunner._replays(runner, step({"method": "snapkv", "heavy_tokens": 32, "window": 32}))
+
+
 @pytest.mark.needs("avx512_bf16")
 def test_sliding_window_release_changes_nothing_in_bf16_kernels(tmp_path):
     """The bf16 path (pairs layout, varlen kernel, compiled layer loop) reads a released
