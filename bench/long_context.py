@@ -298,7 +298,8 @@ def mode_capacity(args) -> None:
 def mode_overhead(args) -> None:
     """What one compressed request costs the batch it joins: decode-step time of 8 plain requests
     (SmolLM2, bf16, 512-token prompts) alone, beside a ninth plain one, and beside one streaming
-    or one h2o request instead (the ninth request's own share of the step is the 9 plain row)."""
+    or one compressed request instead (the ninth request's own share of the step is the 9 plain
+    row); and the time of the steps that prefill the prompts (in the batch's first steps)."""
     llm = LLM(None, block_size=BS, max_model_len=4096, enable_prefix_caching=False)
     eng = llm.engine
     prompts = [[(31 * i + 17 * j) % 40000 + 100 for j in range(512)] for i in range(9)]
@@ -314,22 +315,25 @@ def mode_overhead(args) -> None:
                 eng.add_request(f"{label}-{rep}-{i}", prompts[i], SamplingParams(
                     temperature=0, max_tokens=96, ignore_eos=True,
                     kv_compression=comp if i == 8 and comp != "none" else None))
-            times = []
+            times, prefill = [], 0.0
             while eng.has_unfinished_requests():
                 t = time.perf_counter()
                 eng.step()
                 if eng.last_step_tokens == eng.scheduler.num_running == n:
                     times.append(time.perf_counter() - t)
+                elif not times:  # the prompts' chunks, before every request decodes
+                    prefill += time.perf_counter() - t
             times.sort()
             rows.append({"config": label, "rep": rep, "median_decode_step_ms": 1000 * times[len(times) // 2],
-                         "steps": len(times)})
+                         "steps": len(times), "prefill_ms": 1000 * prefill})
             print(rows[-1], flush=True)
     print()
-    print("| batch | median decode step (ms), run 1 | run 2 |")
-    print("|---|---:|---:|")
+    print("| batch | median decode step (ms), run 1 | run 2 | prefill of the prompts (ms), run 1 | run 2 |")
+    print("|---|---:|---:|---:|---:|")
     for label, _ in configs:
         ms = [r["median_decode_step_ms"] for r in rows if r["config"] == label]
-        print(f"| {label} | {ms[0]:.1f} | {ms[1]:.1f} |")
+        pf = [r["prefill_ms"] for r in rows if r["config"] == label]
+        print(f"| {label} | {ms[0]:.1f} | {ms[1]:.1f} | {pf[0]:.0f} | {pf[1]:.0f} |")
     write_json("overhead", {"model": "SmolLM2-135M-Instruct (embedded GGUF, bf16)", "prompt_tokens": 512,
                             "rows": rows})
 
