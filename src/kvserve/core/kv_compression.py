@@ -37,7 +37,7 @@ class KVCompression:
         return self.window + self.sink_tokens + self.heavy_tokens
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in sorted(_KEYS[self.method])}
+        return {k: getattr(self, k) for k in sorted(_KEYS.get(self.method, {"method"}))}
 
 
 # {"method": "none"}: no compression, and none of the server's default either.
