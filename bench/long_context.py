@@ -18,7 +18,9 @@ perplexity: the text (a Debian package's documentation: python3.11-doc's
 howto/functional.rst.txt, the Functional Programming HOWTO; `apt-get install python3.11-doc`) scored as a prompt with
 prompt_logprobs, in 64-token chunks so that each query attends to at most budget + 64 + a block of
 keys; perplexity over all tokens and over the tokens past the first 2,048 (where every budget
-bites).
+bites). snapkv votes at token 2,048 (its observation window: the 32 tokens before it), as if the
+prompt ended there, and keeps what it chose for the rest of the text: its price is the second
+column.
 """
 from __future__ import annotations
 
@@ -47,14 +49,15 @@ def write_json(name: str, payload: dict) -> None:
     print(f"wrote {path}")
 
 
-def tiny_checkpoint(directory: Path, sliding_window: int | None) -> str:
-    """A random 2-layer Llama (or Mistral with a window) with 32K positions: shapes, not quality."""
+def tiny_checkpoint(directory: Path, sliding_window: int | None, head_dim: int = 32) -> str:
+    """A random 2-layer Llama (or Mistral with a window) with 32K positions: shapes, not quality.
+    head_dim 64 has the bf16 CPU kernels (and the compiled layer loop)."""
     import torch
     import transformers
     torch.manual_seed(0)
     common = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
-                  bos_token_id=1, eos_token_id=2, head_dim=32)
+                  num_attention_heads=128 // head_dim, num_key_value_heads=64 // head_dim,
+                  max_position_embeddings=32768, bos_token_id=1, eos_token_id=2, head_dim=head_dim)
     if sliding_window:
         cfg = transformers.MistralConfig(sliding_window=sliding_window, **common)
         model = transformers.MistralForCausalLM(cfg)
@@ -110,6 +113,7 @@ def mode_memory(args) -> None:
         ("sliding window 1024", window, None),
         ("streaming 4 + 1024", None, {"method": "streaming", "sink_tokens": 4, "window": window}),
         ("h2o 512 + 512", None, {"method": "h2o", "heavy_tokens": 512, "window": 512}),
+        ("snapkv 4 + 496 + 512", None, {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 496, "window": 512}),
     ]
     marks = [1024, 2048, 4096, 8192, 12288, 16383]
     rows = []
@@ -142,7 +146,8 @@ def mode_memory(args) -> None:
     print("|---|" + "---:|" * (len(marks) + 3))
     # window + sinks + one block (a decode step's new block comes after the last step's releases)
     bounds = {"full": "-", "sliding window 1024": f"{window // BS + 1}",
-              "streaming 4 + 1024": f"{1 + window // BS + 1}", "h2o 512 + 512": f"{512 // BS + 512 // BS + 1}"}
+              "streaming 4 + 1024": f"{1 + window // BS + 1}", "h2o 512 + 512": f"{512 // BS + 512 // BS + 1}",
+              "snapkv 4 + 496 + 512": f"{1 + 496 // BS + 512 // BS + 1}"}
     for r in rows:
         print(f"| {r['config']} | " + " | ".join(str(r["peak_blocks_up_to"][m]) for m in marks)
               + f" | {r['prefill_peak_blocks']} | {r['decode_peak_blocks']} | {bounds[r['config']]} |")
@@ -162,7 +167,19 @@ def budget_configs(budgets: list[int]) -> list[tuple[str, int | None, dict | Non
     for b in budgets:
         out.append((f"streaming {b}", b, {"method": "streaming", "sink_tokens": 4, "window": b - BS}))
         out.append((f"h2o {b}", b, {"method": "h2o", "heavy_tokens": b // 2, "window": b // 2}))
+        out.append((f"snapkv {b}", b, {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": b // 2 - BS,
+                                       "window": b // 2}))
     return out
+
+
+def snapkv_votes_at(pos: int) -> None:
+    """Make snapkv vote at position `pos` of a longer prompt, as if the prompt ended there: the
+    perplexity text is one prompt, and snapkv otherwise compresses only once it has run."""
+    from kvserve.kv.compression.snapkv import SnapKV
+    release, rows = SnapKV.blocks_to_release, SnapKV.score_rows
+    SnapKV.blocks_to_release = lambda self, logical, nxt, bs, prompt_len, scores: release(
+        self, logical, nxt, bs, min(prompt_len, pos), scores)
+    SnapKV.score_rows = lambda self, start, n, prompt_len: rows(self, start, n, min(prompt_len, pos))
 
 
 def mode_perplexity(args) -> None:
@@ -173,6 +190,7 @@ def mode_perplexity(args) -> None:
     print(f"text: {TEXT} ({len(ids)} SmolLM2 tokens); chunks of {chunk}", flush=True)
     rows = []
     split = 2048
+    snapkv_votes_at(split)  # its price shows after the split
     for label, budget, comp in budget_configs(args.budgets):
         t0 = time.perf_counter()
         p = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, kv_compression=comp)
@@ -231,16 +249,18 @@ def mode_needle(args) -> None:
 
 def mode_capacity(args) -> None:
     """N requests of 8K tokens (7,936 prompt + 256 out) at once in a pool of 2,048 blocks
-    (32K tokens): how many run together, and output tokens per second."""
+    (32K tokens): how many run together, and output tokens per second. bf16 on the random model
+    with head_dim 64: the compiled layer loop, where h2o's scores are computed."""
     n, prompt_len, out_len = args.requests, 7936, 256
     blocks = 2048
     configs = [("full", None), ("streaming 4 + 1024", {"method": "streaming", "sink_tokens": 4, "window": 1024}),
-               ("h2o 512 + 512", {"method": "h2o", "heavy_tokens": 512, "window": 512})]
+               ("h2o 512 + 512", {"method": "h2o", "heavy_tokens": 512, "window": 512}),
+               ("snapkv 4 + 496 + 512", {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 496, "window": 512})]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = tiny_checkpoint(Path(tmp) / "m", None)
+        path = tiny_checkpoint(Path(tmp) / "m", None, head_dim=64)
         for label, comp in configs:
-            llm = LLM(path, dtype="float32", block_size=BS, max_num_batched_tokens=2048, max_model_len=8192,
+            llm = LLM(path, dtype="bfloat16", block_size=BS, max_num_batched_tokens=2048, max_model_len=8192,
                       num_gpu_blocks_override=blocks, enable_prefix_caching=False)
             eng = llm.engine
             for i in range(n):
@@ -277,35 +297,43 @@ def mode_capacity(args) -> None:
 
 def mode_overhead(args) -> None:
     """What one compressed request costs the batch it joins: decode-step time of 8 plain requests
-    (SmolLM2, bf16, 512-token prompts) alone, and beside one streaming or one h2o request."""
+    (SmolLM2, bf16, 512-token prompts) alone, beside a ninth plain one, and beside one streaming
+    or one compressed request instead (the ninth request's own share of the step is the 9 plain
+    row); and the time of the steps that prefill the prompts (in the batch's first steps)."""
     llm = LLM(None, block_size=BS, max_model_len=4096, enable_prefix_caching=False)
     eng = llm.engine
     prompts = [[(31 * i + 17 * j) % 40000 + 100 for j in range(512)] for i in range(9)]
-    configs = [("8 plain", None), ("8 plain + 1 streaming", {"method": "streaming", "sink_tokens": 4, "window": 256}),
-               ("8 plain + 1 h2o", {"method": "h2o", "heavy_tokens": 128, "window": 128})]
+    configs = [("8 plain", None), ("9 plain", "none"),
+               ("8 plain + 1 streaming", {"method": "streaming", "sink_tokens": 4, "window": 256}),
+               ("8 plain + 1 h2o", {"method": "h2o", "heavy_tokens": 128, "window": 128}),
+               ("8 plain + 1 snapkv", {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 128, "window": 128})]
     rows = []
     for rep in range(2):  # alternate, as the machine drifts
         for label, comp in configs:
             n = 8 if comp is None else 9
             for i in range(n):
                 eng.add_request(f"{label}-{rep}-{i}", prompts[i], SamplingParams(
-                    temperature=0, max_tokens=96, ignore_eos=True, kv_compression=comp if i == 8 else None))
-            times = []
+                    temperature=0, max_tokens=96, ignore_eos=True,
+                    kv_compression=comp if i == 8 and comp != "none" else None))
+            times, prefill = [], 0.0
             while eng.has_unfinished_requests():
                 t = time.perf_counter()
                 eng.step()
                 if eng.last_step_tokens == eng.scheduler.num_running == n:
                     times.append(time.perf_counter() - t)
+                elif not times:  # the prompts' chunks, before every request decodes
+                    prefill += time.perf_counter() - t
             times.sort()
             rows.append({"config": label, "rep": rep, "median_decode_step_ms": 1000 * times[len(times) // 2],
-                         "steps": len(times)})
+                         "steps": len(times), "prefill_ms": 1000 * prefill})
             print(rows[-1], flush=True)
     print()
-    print("| batch | median decode step (ms), run 1 | run 2 |")
-    print("|---|---:|---:|")
+    print("| batch | median decode step (ms), run 1 | run 2 | prefill of the prompts (ms), run 1 | run 2 |")
+    print("|---|---:|---:|---:|---:|")
     for label, _ in configs:
         ms = [r["median_decode_step_ms"] for r in rows if r["config"] == label]
-        print(f"| {label} | {ms[0]:.1f} | {ms[1]:.1f} |")
+        pf = [r["prefill_ms"] for r in rows if r["config"] == label]
+        print(f"| {label} | {ms[0]:.1f} | {ms[1]:.1f} | {pf[0]:.0f} | {pf[1]:.0f} |")
     write_json("overhead", {"model": "SmolLM2-135M-Instruct (embedded GGUF, bf16)", "prompt_tokens": 512,
                             "rows": rows})
 

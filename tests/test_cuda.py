@@ -191,6 +191,26 @@ def test_quantized_cache_and_torch_backend_run_eagerly_on_cuda(tiny, tiny_hf) ->
     assert all(len(o) == GEN for o in outs)
 
 
+def test_released_blocks_and_scores_beside_graph_replays(tiny) -> None:
+    """KV compression on the GPU: steps holding a sequence with released blocks or scored rows
+    run eagerly (a graph's captured positions and tables assume none released), and the plain
+    requests beside them decode, through graphs where they can, as they do alone."""
+    path = tiny
+    llm = LLM(str(path), dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64,
+              num_gpu_blocks_override=128, max_model_len=320)
+    prompts = rand_prompts(5, [150, 45, 70, 90], 49152)
+    alone = generate(llm, prompts[1:], 60)
+    comps = [{"method": "streaming", "sink_tokens": 4, "window": 32}, {"method": "h2o", "heavy_tokens": 32, "window": 32},
+             {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 32, "window": 32, "observation_tokens": 8}]
+    for comp in comps:
+        outs = llm.generate(prompts, [greedy(60, kv_compression=comp)] + [greedy(60)] * 3, use_tqdm=False)
+        llm.engine.kv.check_integrity()
+        assert llm.engine.kv.pool.num_used_blocks == 0
+        assert [o.outputs[0].token_ids for o in outs[1:]] == alone
+        assert outs[0].outputs[0].num_attended_tokens <= 16 + 32 + 32 + 32
+    assert runner(llm).graphs.replays > 0
+
+
 def test_capture_sizes_follow_max_num_seqs(tiny) -> None:
     path = tiny
     llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_seqs=24, num_gpu_blocks_override=64,

@@ -99,6 +99,28 @@ def test_release_policies():
     # 8 blocks older than the window compete for 2 places: 2 and 6 stay
     assert blocks_to_release("h2o", held, 160, BS, h, None, scores) == [0, 1, 3, 4, 5, 7]
     assert blocks_to_release("sliding_window", held, 160, BS, None, 32) == list(range(8))
+    k = KVCompression("snapkv", window=32, sink_tokens=4, heavy_tokens=32, observation_tokens=8)
+    # a 150-token prompt: nothing goes before the vote, which comes with its last chunk
+    assert blocks_to_release("snapkv", held, 128, BS, k, None, scores, prompt_len=150) == []
+    # at the vote (next token 150): blocks 1..6 (before the window at 150) compete for 2 places
+    # beside the sink block; 2 and 6 win
+    assert blocks_to_release("snapkv", held, 150, BS, k, None, scores, prompt_len=150) == [1, 3, 4, 5]
+    # decoding on: the chosen stay, the blocks the window leaves go as in streaming
+    chosen = [0, 2, 6, 7, 8, 9, 10, 11]
+    assert blocks_to_release("snapkv", chosen, 200, BS, k, None, [0.0] * 8, prompt_len=150) == [3, 4, 5]
+
+
+def test_methods_score_the_rows_they_need():
+    from kvserve.kv.compression import method_for
+    from kvserve.kv.compression.h2o import PROMPT_ROW_STRIDE
+    h = method_for(KVCompression("h2o", window=32, heavy_tokens=32))
+    assert h.score_rows(100, 1, 50) == (1, 1)  # every decode query
+    assert h.score_rows(0, 64, 200) == (64, PROMPT_ROW_STRIDE)  # a sample of a prompt chunk's
+    k = method_for(KVCompression("snapkv", window=32, sink_tokens=4, heavy_tokens=32, observation_tokens=8))
+    assert k.score_rows(0, 64, 200) is None  # not the prompt's last chunk
+    assert k.score_rows(192, 8, 200) == (8, 1) and k.score_rows(196, 4, 200) == (4, 1)
+    assert k.score_rows(200, 1, 200) is None  # decodes: no scores
+    assert method_for(KVCompression("streaming", window=32, sink_tokens=4)).score_rows(0, 64, 200) is None
 
 
 @pytest.mark.parametrize("value, field", [
@@ -106,6 +128,9 @@ def test_release_policies():
     ({"method": "streaming", "window": 0}, "kv_compression.window"),
     ({"method": "streaming", "window": 64, "sink_tokens": -1}, "kv_compression.sink_tokens"),
     ({"method": "h2o", "window": 64}, "kv_compression.heavy_tokens"),
+    ({"method": "snapkv", "window": 64, "heavy_tokens": 64, "observation_tokens": 0},
+     "kv_compression.observation_tokens"),
+    ({"method": "snapkv", "window": 64}, "kv_compression.heavy_tokens"),
     ({"method": "streaming", "window": 64, "heavy_tokens": 3}, "kv_compression"),
     ("streaming", "kv_compression"),
 ])
@@ -236,13 +261,89 @@ def test_h2o_scores_bound_and_spare_neighbours(llm):
     finally:
         eng.kv.add_scores = add
     assert [o.outputs[0].token_ids for o in mixed[1:]] == [o.outputs[0].token_ids for o in alone]
-    # every query's softmax sums to 1 in each head of each layer: 4 heads x 3 layers per query
+    # every query's softmax sums to 1 in each head of each layer: 4 heads x 3 layers per query;
+    # the 20-token prompt is scored by rows 19, 11 and 3, each counted 8 times
     heads_layers = eng.model_config.num_attention_heads * eng.model_config.num_hidden_layers
-    assert seen[0] == (20, pytest.approx(20 * heads_layers, rel=1e-4))
+    assert seen[0] == (20, pytest.approx(24 * heads_layers, rel=1e-4))
     assert all(s == pytest.approx(heads_layers, rel=1e-4) for _, s in seen[1:]), seen[:8]
     # 2 heavy blocks + the window's 2-3 blocks (+ the one being written)
     assert mixed[0].outputs[0].num_attended_tokens <= 32 + 32 + 2 * BS
     assert eng.kv.num_released["h2o"] > 0
+
+
+def test_snapkv_votes_once_bounds_and_spares_neighbours(llm):
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    comp = {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 32, "window": 32, "observation_tokens": 8}
+    prompts = rand_prompts(17, [150, 45, 70], vocab)
+    seen = []
+    add = eng.kv.add_scores
+    eng.kv.add_scores = lambda req, scores: (seen.append((req.num_computed_tokens, sum(scores))), add(req, scores))
+    try:
+        alone, _ = run_steps(llm, prompts[1:], greedy(60))
+        mixed, _ = run_steps(llm, prompts, [greedy(60, kv_compression=comp), greedy(60), greedy(60)])
+    finally:
+        eng.kv.add_scores = add
+    assert [o.outputs[0].token_ids for o in mixed[1:]] == [o.outputs[0].token_ids for o in alone]
+    # one vote, by the prompt's last 8 queries (chunks of 64: the last one is 22 tokens)
+    heads_layers = eng.model_config.num_attention_heads * eng.model_config.num_hidden_layers
+    assert seen == [(150, pytest.approx(8 * heads_layers, rel=1e-4))]
+    # 1 sink block + 2 chosen + the window's 2-3 blocks
+    assert mixed[0].outputs[0].num_attended_tokens <= 16 + 32 + 32 + 2 * BS
+    assert eng.kv.num_released["snapkv"] > 0
+
+
+@pytest.mark.needs("avx512_bf16")
+def test_scores_stay_in_the_compiled_layer_loop(tmp_path):
+    """bf16 on CPU: a step with h2o or snapkv requests stays one compiled call (the scores come
+    from csrc/score_blocks_bf16.cpp inside it), and gives the scores the Python loop's torch
+    computation gives, and the same tokens, for the compressed requests and their neighbours."""
+    path = str(make_tiny_model(tmp_path, kind="llama_d64"))
+    prompts = rand_prompts(18, [150, 45, 70, 90], 49152)
+    comps = [{"method": "h2o", "heavy_tokens": 32, "window": 32},
+             {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 32, "window": 32, "observation_tokens": 8}]
+    runs = []
+    for compiled in (True, False):
+        llm = LLM(path, dtype="bfloat16", block_size=BS, max_num_batched_tokens=64, kv_cache_memory=16 * 2**20,
+                  enable_prefix_caching=False)
+        eng, model = llm.engine, llm.engine.runner.model
+        model.use_compiled_decoder = compiled
+        if compiled:
+            def no_python_scores(*a):
+                raise AssertionError("scores left the compiled layer loop")
+            model.attn.score_blocks = no_python_scores
+        seen = []
+        add = eng.kv.add_scores
+        eng.kv.add_scores = lambda req, scores: (seen.append((req.request_id, req.num_computed_tokens, scores)),
+                                                 add(req, scores))
+        outs, _ = run_steps(llm, prompts, [greedy(50, kv_compression=comps[0]), greedy(50),
+                                           greedy(50, kv_compression=comps[1]), greedy(50)])
+        runs.append(([o.outputs[0].token_ids for o in outs], seen))
+    assert runs[0][0] == runs[1][0]
+    assert [s[:2] for s in runs[0][1]] == [s[:2] for s in runs[1][1]] and len(runs[0][1]) > 50
+    for (_, _, a), (_, _, b) in zip(runs[0][1], runs[1][1]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+def test_decode_graphs_never_replay_released_or_scored_entries():
+    """A CUDA graph captures positions = start_pos and tables from block 0: a decode whose
+    table misses released blocks, or whose rows are scored (h2o), runs eagerly (tests/test_cuda.py
+    runs it on a GPU)."""
+    from types import SimpleNamespace
+
+    from kvserve.core.step import ScheduledRequest, SchedulerOutput
+    from kvserve.runner.model_runner import ModelRunner
+    runner = SimpleNamespace(graphs=SimpleNamespace(size_for=lambda n: n))
+
+    def step(comp=None, released=0):
+        req = Request("r", list(range(100)), greedy(4, kv_compression=comp))
+        return SchedulerOutput([ScheduledRequest(req, 100, 1, list(range(7)), True, num_released_tokens=released)])
+    assert ModelRunner._replays(runner, step())
+    assert ModelRunner._replays(runner, step({"method": "streaming", "window": 32}))  # nothing released yet
+    assert not ModelRunner._replays(runner, step({"method": "streaming", "window": 32}, released=32))
+    assert not ModelRunner._replays(runner, step({"method": "h2o", "heavy_tokens": 32, "window": 32}))
+    # snapkv scores only the prompt's last chunk: its decodes replay until blocks are released
+    assert ModelRunner._replays(runner, step({"method": "snapkv", "heavy_tokens": 32, "window": 32}))
 
 
 @pytest.mark.needs("avx512_bf16")
@@ -279,13 +380,14 @@ from kvserve.sched.scheduler import Scheduler  # noqa: E402
 from kvserve.tools.cost_model import CostModelRunner  # noqa: E402
 
 COMPRESSIONS = [None, {"method": "streaming", "sink_tokens": 2, "window": 6},
-                {"method": "h2o", "heavy_tokens": 4, "window": 4}]
+                {"method": "h2o", "heavy_tokens": 4, "window": 4},
+                {"method": "snapkv", "sink_tokens": 2, "heavy_tokens": 4, "window": 4, "observation_tokens": 2}]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.one_of(
     st.tuples(st.just("add"), st.lists(st.integers(0, 3), min_size=1, max_size=30), st.integers(1, 30),
-              st.integers(0, 2)),
+              st.integers(0, 3)),
     st.tuples(st.just("step")), st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("preempt"), st.integers(0, 50))), min_size=1, max_size=60),
     num_blocks=st.integers(14, 30), block_size=st.sampled_from([1, 2, 4]), caching=st.booleans(),

@@ -66,6 +66,9 @@ CASES = [
     ("kv-compression-over-context", COMPLETIONS, {"prompt": "x", "kv_compression": {"method": "streaming",
                                                                                    "window": 4096}}, 400,
      ["kv_compression.window", "1024"], "kv_compression"),
+    ("kv-compression-observation", COMPLETIONS, {"prompt": "x", "kv_compression": {
+        "method": "snapkv", "heavy_tokens": 64, "window": 64, "observation_tokens": 0}}, 400,
+     ["kv_compression.observation_tokens", ">= 1"], "kv_compression.observation_tokens"),
     ("negative-token", COMPLETIONS, {"prompt": [-1]}, 400, ["[0, 49152)"], "prompt"),
     ("top-p-zero", COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, ["top_p"], "top_p"),
     ("temperature-over-2", COMPLETIONS, {"prompt": "x", "temperature": 9}, 400, ["temperature", "2"], "temperature"),
@@ -360,3 +363,9 @@ def test_compressed_request_reports_attended_tokens(server):
     assert usage["kv_attended_tokens"] <= 16 + 64 + 16 < usage["total_tokens"], usage
     plain = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 2}).json()["usage"]
     assert "kv_attended_tokens" not in plain
+    # snapkv: the prompt's last queries vote, in the compiled layer loop of the bf16 server
+    body["kv_compression"] = {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 32, "window": 32}
+    r = post(server, COMPLETIONS, body)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["kv_attended_tokens"] <= 16 + 32 + 32 + 2 * 16 < usage["total_tokens"], usage

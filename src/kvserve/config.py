@@ -322,7 +322,8 @@ class EngineArgs:
     kv_compression: dict | str | None = _arg(
         None, "JSON object: the KV compression of requests that set no kv_compression of their own, e.g. "
               "'{\"method\": \"streaming\", \"sink_tokens\": 4, \"window\": 1024}' (attention sinks + recent "
-              "window) or '{\"method\": \"h2o\", \"heavy_tokens\": 512, \"window\": 512}'; a request opts out "
+              "window), '{\"method\": \"h2o\", \"heavy_tokens\": 512, \"window\": 512}' or snapkv (sink_tokens, "
+              "heavy_tokens, window, observation_tokens); a request opts out "
               "with {\"method\": \"none\"} (docs/long-context.md)", "Scheduler")
     # Parallel
     data_parallel_size: int = _arg(1, "Number of data parallel groups: engine core processes behind this one API "

@@ -36,9 +36,12 @@ class AttentionMetadata:
     # Backends cache derived per-step tensors here (masks, gather indices): built once per
     # step, reused by every layer.
     backend_state: dict[str, Any] = field(default_factory=dict, repr=False)
-    # h2o: sequences whose attention per block is summed (score_blocks), and the sums so far
-    # (float32 [blocks of the sequence's table], over layers, heads and the step's queries).
+    # Score-based KV compression (h2o, snapkv): sequences whose attention per block is summed
+    # (score_blocks), for each the (last, stride) of its query rows scored (the chunk's last
+    # `last` rows, every stride-th, each counted stride times), and the sums so far (float32
+    # [blocks of the sequence's table], over layers, heads and those queries).
     score_seqs: list[int] = field(default_factory=list)
+    score_rows: list[tuple[int, int]] = field(default_factory=list)
     block_scores: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -132,23 +135,25 @@ class AttentionBackend(ABC):
     def score_blocks(self, layer: int, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
         """Add the attention each block of meta.score_seqs' tables got at this layer (after
         `forward` wrote the step's K/V) to meta.block_scores. Recomputes the softmax for those
-        sequences alone, over keys gathered in the compute dtype: any backend, any cache
-        format, and no cost to the sequences (or steps) that do not ask."""
+        sequences' scored rows alone, over keys gathered in the compute dtype: any backend, any
+        cache format, and no cost to the sequences (or steps) that do not ask. The compiled
+        layer loop does the same in csrc/score_blocks_bf16.cpp."""
         bs = meta.block_size
-        for i in meta.score_seqs:
+        for i, (last, stride) in zip(meta.score_seqs, meta.score_rows):
             start, seq_len = meta.start_pos[i], meta.seq_lens[i]
+            n = seq_len - start
+            rows = torch.arange(n - 1, n - 1 - last, -stride)  # chunk rows, latest first
             nb = -(-seq_len // bs)
             ks, _ = kv_cache.gather(layer, meta.block_tables[i, :nb])
             ks = ks[:seq_len].float()  # [L, Hkv, D]
-            qs = q[meta.query_start_loc[i]:meta.query_start_loc[i + 1]].float()  # [n, Hq, D]
+            qs = q[meta.query_start_loc[i] + rows.to(q.device)].float()  # [r, Hq, D]
             group = self.num_heads // self.num_kv_heads
             qs = qs.view(qs.shape[0], self.num_kv_heads, group, self.head_dim)
             logits = torch.einsum("nhgd,lhd->hgnl", qs, ks) * self.scale
-            q_pos = torch.arange(start, seq_len, device=ks.device)
-            visible = torch.arange(seq_len, device=ks.device)[None, :] <= q_pos[:, None]  # [n, L]
+            q_pos = (start + rows).to(ks.device)
+            visible = torch.arange(seq_len, device=ks.device)[None, :] <= q_pos[:, None]  # [r, L]
             probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-            per_key = probs.sum(dim=(0, 1, 2))  # [L]
+            per_key = probs.sum(dim=(0, 1, 2)) * stride  # [L]
             per_block = torch.nn.functional.pad(per_key, (0, nb * bs - seq_len)).view(nb, bs).sum(1)
             acc = meta.block_scores.get(i)
             meta.block_scores[i] = per_block if acc is None else acc + per_block
-

@@ -3,17 +3,20 @@
 `streaming` (StreamingLLM): the first `sink_tokens` plus the most recent `window` tokens stay; the
 blocks between are released as the sequence grows. `h2o` (Heavy-Hitter Oracle, at block
 granularity): the most recent `window` tokens stay, and of the older blocks the `heavy_tokens`
-worth with the most accumulated attention; the rest are released. Both keep whole blocks, so a
-sink or window that ends mid-block keeps the whole block (up to block_size - 1 tokens more).
-Plain data, no torch; the KV cache manager applies it (kv/compression.py).
+worth with the most accumulated attention; the rest are released. `snapkv`: when the prompt's
+prefill ends, its last `observation_tokens` queries vote for `heavy_tokens` worth of older prompt
+blocks, which stay with the sinks and the window. All keep whole blocks, so a sink or window
+that ends mid-block keeps the whole block (up to block_size - 1 tokens more).
+Plain data, no torch; the KV cache manager applies it (kv/release.py, kv/compression/).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("streaming", "h2o")
+METHODS = ("streaming", "h2o", "snapkv")
 _KEYS = {"streaming": {"method", "sink_tokens", "window"},
-         "h2o": {"method", "heavy_tokens", "window"}}
+         "h2o": {"method", "heavy_tokens", "window"},
+         "snapkv": {"method", "sink_tokens", "heavy_tokens", "window", "observation_tokens"}}
 
 
 class KVCompressionError(ValueError):
@@ -24,8 +27,9 @@ class KVCompressionError(ValueError):
 class KVCompression:
     method: str
     window: int  # most recent tokens always kept
-    sink_tokens: int = 0  # streaming: first tokens always kept
-    heavy_tokens: int = 0  # h2o: older tokens kept by attention score
+    sink_tokens: int = 0  # streaming, snapkv: first tokens always kept
+    heavy_tokens: int = 0  # h2o, snapkv: older tokens kept by attention score
+    observation_tokens: int = 0  # snapkv: the prompt's last queries, whose attention votes
 
     @property
     def budget(self) -> int:
@@ -33,12 +37,7 @@ class KVCompression:
         return self.window + self.sink_tokens + self.heavy_tokens
 
     def as_dict(self) -> dict:
-        d = {"method": self.method, "window": self.window}
-        if self.method == "streaming":
-            d["sink_tokens"] = self.sink_tokens
-        else:
-            d["heavy_tokens"] = self.heavy_tokens
-        return d
+        return {k: getattr(self, k) for k in sorted(_KEYS.get(self.method, {"method"}))}
 
 
 # {"method": "none"}: no compression, and none of the server's default either.
@@ -69,7 +68,7 @@ def parse_kv_compression(value, field: str = "kv_compression") -> KVCompression 
     if unknown:
         raise KVCompressionError(f"{field} keys {', '.join(unknown)} not understood by method {method!r} "
                                  f"(its keys: {', '.join(sorted(_KEYS[method]))})")
-    defaults = {"window": None, "sink_tokens": 4, "heavy_tokens": None}
+    defaults = {"window": None, "sink_tokens": 4, "heavy_tokens": None, "observation_tokens": 32}
     got = {}
     for key in sorted(_KEYS[method] - {"method"}):
         v = value.get(key, defaults[key])
@@ -93,7 +92,7 @@ def check_kv_compression(c: KVCompression | None, max_model_len: int, sliding_wi
         raise KVCompressionError(f"{field} is not available for this model: it attends through a sliding "
                                  f"window of {sliding_window} tokens, whose blocks kvserve already releases "
                                  f"as the sequence passes them; drop {field}")
-    for key in ("window", "sink_tokens", "heavy_tokens"):
+    for key in ("window", "sink_tokens", "heavy_tokens", "observation_tokens"):
         v = getattr(c, key)
         if v >= max_model_len:
             raise KVCompressionError(f"{field}.{key} {v} is not smaller than the context length "

@@ -157,7 +157,7 @@ class EngineStats:
     kv_offload_seconds: float = 0.0  # engine-thread time spent reading + packing evicted blocks
     kv_offload_dropped_blocks: int = 0  # the writer queue was full: those blocks were not kept
     num_swapped_preemptions: int = 0  # preemptions whose KV went to the host tier
-    # blocks released from running sequences, by policy: sliding_window, streaming, h2o
+    # blocks released from running sequences, by policy: sliding_window, streaming, h2o, snapkv
     kv_released_blocks: dict[str, int] = field(default_factory=dict)
     num_swap_fallbacks: int = 0  # swap preemptions that recomputed: no room in the host tier
     num_steps: int = 0  # engine steps that ran a forward

@@ -397,7 +397,8 @@ class KVCacheManager:
         self._release(req, end)
 
     def add_scores(self, req: Request, scores: list[float]) -> None:
-        """h2o: attention the last step paid to each block of the table it ran with."""
+        """Score-based compression (h2o, snapkv): attention the last step paid to each block of
+        the table it ran with."""
         acc = self._scores.setdefault(req.request_id, [])
         if len(acc) < len(scores):
             acc.extend([0.0] * (len(scores) - len(acc)))
@@ -422,7 +423,7 @@ class KVCacheManager:
         elif len(logical) < len(blocks):  # blocks allocated since the last release follow the last
             logical.extend(range(logical[-1] + 1, logical[-1] + 1 + len(blocks) - len(logical)))
         drop = blocks_to_release(reason, logical, next_pos, self.block_size, compression,
-                                 self.sliding_window, self._scores.get(rid, ()))
+                                 self.sliding_window, self._scores.get(rid, ()), req.num_prompt_tokens)
         if not drop:
             return
         if reason != SLIDING_WINDOW:

@@ -7,9 +7,7 @@ shorter table and a position offset for the new tokens, see kv/manager.py).
 
 - sliding window W (the model's): the next query at position p sees keys p - W + 1 .. p, so a
   block whose last position is <= p - W is never read again; exact, nothing changes in the output.
-- streaming (StreamingLLM): keep the sink blocks and the blocks holding the last W positions.
-- h2o (Heavy-Hitter Oracle, whole blocks): keep the blocks holding the last W positions, and
-  of the others the heavy_tokens / bs with the most accumulated attention.
+- KV compression: the request's method (kv/compression/: streaming, h2o, snapkv) decides.
 Plain integers, no torch.
 """
 from __future__ import annotations
@@ -17,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvserve.core.kv_compression import KVCompression, active
+from kvserve.kv.compression import method_for
 
 SLIDING_WINDOW = "sliding_window"
 
@@ -30,21 +29,10 @@ def release_reason(compression: KVCompression | None, sliding_window: int | None
 
 def blocks_to_release(reason: str, logical: Sequence[int], next_pos: int, block_size: int,
                       compression: KVCompression | None, sliding_window: int | None,
-                      scores: Sequence[float] = ()) -> list[int]:
+                      scores: Sequence[float] = (), prompt_len: int = 0) -> list[int]:
     """Indices into `logical` (the held blocks' logical indices, ascending) of the blocks to
     release before the token at `next_pos` is computed."""
-    bs = block_size
     if reason == SLIDING_WINDOW:
         last_needed = next_pos - sliding_window + 1  # first key position the next query sees
-        return [i for i, j in enumerate(logical) if (j + 1) * bs <= last_needed]
-    recent_from = next_pos - compression.window  # first position of the recent window
-    if reason == "streaming":
-        sinks = -(-compression.sink_tokens // bs)
-        return [i for i, j in enumerate(logical) if j >= sinks and (j + 1) * bs <= recent_from]
-    # h2o: the blocks older than the window compete for heavy_tokens worth of room by score.
-    old = [i for i, j in enumerate(logical) if (j + 1) * bs <= recent_from]
-    keep = -(-compression.heavy_tokens // bs)
-    if len(old) <= keep:
-        return []
-    ranked = sorted(old, key=lambda i: (scores[i] if i < len(scores) else 0.0, i))
-    return sorted(ranked[:len(old) - keep])
+        return [i for i, j in enumerate(logical) if (j + 1) * block_size <= last_needed]
+    return method_for(compression).blocks_to_release(logical, next_pos, block_size, prompt_len, scores)

@@ -51,7 +51,8 @@ class StepC(ctypes.Structure):  # decoder_bf16.cpp's DecoderStep
                 ("cos", _P), ("sin_signed", _P), ("slots", _P), ("n", _INT), ("q_start", _P), ("q_len", _P),
                 ("block_tables", _P), ("bt_stride", _I64), ("seq_lens", _P), ("block_size", _INT),
                 ("ngroups", _INT), ("group_start", _P), ("group_members", _P), ("group_prefix", _P),
-                ("out_rows", _P), ("n_out", _I64)]
+                ("out_rows", _P), ("n_out", _I64), ("n_score", _INT), ("score_seqs", _P), ("score_rows", _P),
+                ("scores", _P)]
 
 
 def _address(fn) -> int:
@@ -106,11 +107,18 @@ class CompiledDecoder:
         self.qkv_size = self.q_size + 2 * c.num_key_value_heads * c.head_dim
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slot_mapping: torch.Tensor,
-                plan: VarlenPlan, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                plan: VarlenPlan, out_rows: torch.Tensor | None = None,
+                score_seqs: list[int] | None = None, score_rows: list[tuple[int, int]] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: the embedded tokens `[T, hidden]` (the residual stream, updated in place); cos and
         sin_signed `[T, 1, head_dim]` (`LlamaModel.rope_cos_sin`); slot_mapping `[T]` int64; the
-        step's varlen arguments; out_rows: strictly ascending int64 row indices, or None (all).
-        Returns the final-normed hidden states of those rows, `[len(out_rows) or T, hidden]`."""
+        step's varlen arguments; out_rows: strictly ascending int64 row indices, or None (all);
+        score_seqs: sequences whose attention per block is summed (h2o, snapkv), or None, and for
+        each its (last, stride): the chunk's last rows scored, every stride-th of them.
+        Returns the final-normed hidden states of those rows, `[len(out_rows) or T, hidden]`, and
+        the scores `[len(score_seqs), table width]` float32 (None without score_seqs): row k's
+        first ceil(seq_len / block_size) entries are the mass its table's blocks received, summed
+        over layers, heads and the sequence's query rows."""
         t, m = h.shape[0], self.model
         x = torch.empty_like(h)
         qkv = torch.empty(t, self.qkv_size, dtype=h.dtype)
@@ -119,14 +127,21 @@ class CompiledDecoder:
         act = torch.empty(t, m.inter, dtype=h.dtype)
         slots = slot_mapping.contiguous()
         g = plan.groups
+        scores = seqs = rows = None
+        if score_seqs:
+            seqs = torch.tensor(score_seqs, dtype=torch.int64)
+            rows = torch.tensor(score_rows, dtype=torch.int64).reshape(-1)
+            scores = torch.zeros(len(score_seqs), plan.block_tables.shape[1], dtype=torch.float32)
         step = StepC(t, h.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), proj.data_ptr(), act.data_ptr(),
                      cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), plan.q_len.numel(),
                      plan.q_start.data_ptr(), plan.q_len.data_ptr(), plan.block_tables.data_ptr(),
                      plan.block_tables.shape[1], plan.seq_lens.data_ptr(), self.block_size, g.num_groups,
                      g.start.ctypes.data, g.members.ctypes.data, g.prefix_len.ctypes.data,
-                     None if out_rows is None else out_rows.data_ptr(), t if out_rows is None else out_rows.numel())
+                     None if out_rows is None else out_rows.data_ptr(), t if out_rows is None else out_rows.numel(),
+                     0 if seqs is None else seqs.numel(), None if seqs is None else seqs.data_ptr(),
+                     None if rows is None else rows.data_ptr(), None if scores is None else scores.data_ptr())
         rc = self._run(ctypes.byref(m), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"run_decoder_bf16: the attention kernel has no instance for block size "
                                f"{self.block_size} in this build (code {rc})")
-        return x if out_rows is None else x[:out_rows.numel()]
+        return (x if out_rows is None else x[:out_rows.numel()]), scores

@@ -165,10 +165,14 @@ class LlamaModel:
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
-        decoder = self.compiled_decoder(kv_cache) if not attn_metadata.score_seqs and lora is None else None
+        decoder = self.compiled_decoder(kv_cache) if lora is None else None
         if decoder is not None:
-            return decoder.forward(h, cos, sin, attn_metadata.slot_mapping, self.attn.varlen_plan(attn_metadata),
-                                   out_rows)
+            meta = attn_metadata
+            x, scores = decoder.forward(h, cos, sin, meta.slot_mapping, self.attn.varlen_plan(meta), out_rows,
+                                        meta.score_seqs, meta.score_rows)
+            for k, i in enumerate(meta.score_seqs):  # score-based compression, scored in the loop
+                meta.block_scores[i] = scores[k, :-(-meta.seq_lens[i] // meta.block_size)]
+            return x
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         ops, eps = self.ops, c.rms_norm_eps
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
@@ -189,7 +193,7 @@ class LlamaModel:
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, self.q_size + self.kv_size:].view(t, hkv, d)
             o = self.attn.forward(i, q, k, v, kv_cache, attn_metadata)
-            if attn_metadata.score_seqs:  # h2o requests in the step
+            if attn_metadata.score_seqs:  # score-based compression (h2o, snapkv) in the step
                 self.attn.score_blocks(i, q, kv_cache, attn_metadata)
             if out_rows is not None and i + 1 == len(self.layers):
                 o, h, t = o[out_rows], h[out_rows], out_rows.numel()

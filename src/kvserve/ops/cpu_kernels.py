@@ -53,7 +53,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = tuple(CSRC / name for name in (
     "paged_decode.cpp", "paged_attention_bf16.cpp", "store_kv_pairs.cpp", "stage_quantized.cpp",
     "decode_quantized.cpp", "quantize_blocks.cpp", "elementwise_bf16.cpp", "gemm_bf16.cpp", "gemm_amx.cpp",
-    "decoder_bf16.cpp", "argmax_bf16.cpp"))
+    "decoder_bf16.cpp", "argmax_bf16.cpp", "score_blocks_bf16.cpp"))
 # Part of the cache key, not compiled alone.
 _HEADERS = tuple(CSRC / name for name in (
     "avx512_exp.h", "bf16_vec.h", "gemm_epilogue.h", "amx.h", "weight_tiles.h", "attend_amx.h",
@@ -229,6 +229,10 @@ def load_library() -> ctypes.CDLL | None:
                 getattr(lib, name).restype = None
             lib.run_decoder_bf16.argtypes = [_P, _P]  # DecoderModel*, DecoderStep* (model/cpu_decoder.py)
             lib.run_decoder_bf16.restype = ctypes.c_int
+            # q, q_stride, n, last, stride, k_cache, block_table, seq_len, hq, hkv, head_dim, block_size, scale, out
+            lib.score_blocks_bf16.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT, _INT,
+                                              ctypes.c_float, _P]
+            lib.score_blocks_bf16.restype = None
             lib.argmax_bf16_rows.argtypes = [_P, _I64, _I64, _I64, _P]  # x, rows, cols, row stride, out int64
             lib.argmax_bf16_rows.restype = None
             lib.argmax_bf16_available.restype = ctypes.c_int

@@ -20,9 +20,11 @@ from kvserve.attention.selector import select_attention_backend
 from kvserve.cache.factory import create_kv_cache
 from kvserve.cache.quantizers import KVScales
 from kvserve.config import ModelConfig
+from kvserve.core.kv_compression import active
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.step import ModelRunnerOutput, PromptLogprobs, ScheduledRequest, SchedulerOutput
+from kvserve.kv.compression import method_for
 from kvserve.model.llama import LlamaModel
 from kvserve.ops.host_alloc import tune_malloc_for_inference
 from kvserve.runner.cuda_graph import DecodeGraphs, graphs_unsupported
@@ -186,7 +188,8 @@ class ModelRunner:
             prompt_lps, block_scores = {}, {}
         else:
             input_ids, meta = self.build_metadata(out)
-            meta.score_seqs = [i for i, s in enumerate(out.scheduled) if _scores_attention(s)]
+            scored = [(i, r) for i, r in enumerate(map(_score_rows, out.scheduled)) if r is not None]
+            meta.score_seqs, meta.score_rows = [i for i, _ in scored], [r for _, r in scored]
             logit_rows = self._logit_rows(sampling, guessing, meta.query_start_loc)
             trimmed = self._trims(out, logit_rows, meta.num_tokens)
             lora = self.lora.step(out.scheduled, meta.query_start_loc, lora_slots, self.device) if lora_slots else None
@@ -240,7 +243,7 @@ class ModelRunner:
         size, and no prompt logprobs (those score prompt rows the graph does not return)."""
         return (self.graphs is not None and self.graphs.size_for(len(out.scheduled)) is not None
                 and all(s.num_new_tokens == 1 and s.request.sampling_params.prompt_logprobs is None
-                        and not s.num_released_tokens and not _scores_attention(s) and s.request.lora_id is None
+                        and not s.num_released_tokens and _score_rows(s) is None and s.request.lora_id is None
                         for s in out.scheduled))
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
@@ -269,8 +272,10 @@ class ModelRunner:
         return result
 
 
-def _scores_attention(s: ScheduledRequest) -> bool:
-    """Whether the entry's request evicts by attention received (h2o), which the forward sums."""
-    c = s.request.sampling_params.kv_compression
-    return c is not None and c.method == "h2o"
-
+def _score_rows(s: ScheduledRequest) -> tuple[int, int] | None:
+    """Which query rows of the entry the forward scores for its compression method (h2o, snapkv:
+    attention received decides which blocks stay), as (last, stride); None for none."""
+    c = active(s.request.sampling_params.kv_compression)
+    if c is None:
+        return None
+    return method_for(c).score_rows(s.start_pos, s.num_new_tokens, s.request.num_prompt_tokens)

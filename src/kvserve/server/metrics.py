@@ -161,7 +161,7 @@ class ServerMetrics:
         self.offload_dropped = counter("kvserve:kv_offload_dropped_blocks", "Evicted blocks dropped: the tier writer queue was full.")
         self.swapped_preemptions = counter("kvserve:num_swapped_preemptions", "Preemptions whose KV went to the host tier.")
         self.released_blocks = counter("kvserve:kv_released_blocks", "Blocks released from running sequences by "
-                                       "reason (sliding_window | streaming | h2o).", L + ["reason"])
+                                       "reason (sliding_window | streaming | h2o | snapkv).", L + ["reason"])
         # vLLM's speculative decoding counters (acceptance rate = accepted / draft tokens).
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Request-steps that carried speculated tokens.")
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Speculated tokens fed to the model.")

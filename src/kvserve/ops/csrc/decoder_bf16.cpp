@@ -17,6 +17,9 @@ extern "C" void add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, int64_t de
 extern "C" void store_kv_pairs(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t T,
                                int64_t k_stride, int64_t v_stride, uint16_t* k_cache, uint16_t* v_cache,
                                int hkv, int dh, int bs);
+extern "C" void score_blocks_bf16(const uint16_t* q, int64_t q_stride, int64_t n, int64_t last, int64_t stride,
+                                  const uint16_t* k_cache, const int64_t* bt, int64_t seq_len, int hq, int hkv,
+                                  int dh, int bs, float scale, float* out);
 
 namespace {
 
@@ -93,6 +96,14 @@ struct DecoderStep {
     // nothing (their K and V, what later tokens read, come from its q/k/v projection).
     const int64_t* out_rows;
     int64_t n_out;
+    // Score-based KV compression (h2o, snapkv): sequences whose attention per block is summed
+    // over the layers into scores[k * bt_stride + block] (zeroed by the caller), from the query
+    // rows score_rows[2k] (the chunk's last that many) taken every score_rows[2k + 1]-th;
+    // the other rows pay nothing.
+    int n_score;
+    const int64_t* score_seqs;
+    const int64_t* score_rows;
+    float* scores;
 };
 
 // Returns 0, or the attention kernel's nonzero code (a build or block size it has no instance for).
@@ -112,6 +123,13 @@ extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
                                     m->scale, m->window, s->ngroups, s->group_start, s->group_members,
                                     s->group_prefix);
         if (rc != 0) return rc;
+        for (int k = 0; k < s->n_score; ++k) {
+            const int64_t j = s->score_seqs[k];
+            score_blocks_bf16(s->qkv + s->q_start[j] * n_qkv, n_qkv, s->q_len[j], s->score_rows[2 * k],
+                              s->score_rows[2 * k + 1], L.k_cache,
+                              s->block_tables + j * s->bt_stride, s->seq_lens[j], m->hq, m->hkv, (int)D,
+                              s->block_size, m->scale, s->scores + k * s->bt_stride);
+        }
         if (i + 1 == m->num_layers && s->out_rows && s->n_out < T) {
             // Rows gathered in place: out_rows[r] >= r, so no row is read after it is overwritten.
             for (int64_t r = 0; r < s->n_out; ++r) {
