@@ -144,3 +144,17 @@ def test_summed_stats_are_one_engines_view():
     assert s.tier_hits == {"device": 12, "disk": 1} and s.tier_usage == {"host": pytest.approx(0.3)}
     assert s.running_lora_adapters == ("x", "y") and s.host_tier_usage == pytest.approx(0.25)
     assert sum_stats([a]) is a
+
+
+def test_replicas_that_cannot_fit_in_memory_stop_startup(monkeypatch):
+    """Replica 0 is measured (resident memory, KV pool); the others must fit in what is left."""
+    import os
+    from types import SimpleNamespace
+
+    from kvserve.engine import dp_client
+    client = dp_client.DPClient.__new__(dp_client.DPClient)
+    client.clients = [SimpleNamespace(proc=SimpleNamespace(pid=os.getpid()), info={"kv_cache_bytes": 20 * 2**30})]
+    monkeypatch.setattr(dp_client, "host_memory", lambda field: 30 * 2**30)
+    client._check_memory(None, 2)  # one more replica of 20 GiB fits in 30 GiB
+    with pytest.raises(ConfigError, match=r"--data-parallel-size 3 needs about 60\.0 GiB.*lower --data-parallel-size"):
+        client._check_memory(None, 3)
