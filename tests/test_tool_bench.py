@@ -183,19 +183,24 @@ def test_vllm_bench_serve_flags_map_onto_this_tools():
 
 
 @pytest.mark.slow
-def test_plot_writes_png_or_says_matplotlib_is_missing(server, tmp_path, capsys, monkeypatch):
-    png = tmp_path / "bench.png"
-    args = ["--url", server.url, "--concurrency", "2", "--num-requests", "2", "--prompt-len", "16",
-            "--output-len", "4", "--plot", str(png)]
-    try:
-        import matplotlib  # noqa: F401
-        assert bench(*args) == 0
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    except ImportError:
-        pass
+def test_plot_beside_the_json_or_says_matplotlib_is_missing(server, tmp_path, capsys, monkeypatch):
+    args = ["--url", server.url, "--concurrency", "2", "--num-requests", "2", "--prompt-len", "16", "--output-len", "4"]
+    assert bench(*args, "--json", str(tmp_path / "run.json")) == 0
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {tmp_path / 'run.png'}" in capsys.readouterr().out
+    assert bench(*args, "--json", str(tmp_path / "quiet.json"), "--no-plot") == 0
+    assert (tmp_path / "quiet.json").exists() and not (tmp_path / "quiet.png").exists()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a machine without it
-    assert bench(*args) == 1
-    assert "--plot needs matplotlib, which is not installed" in capsys.readouterr().err
+    assert bench(*args, "--plot", str(tmp_path / "named.png")) == 1  # asked for by name: a failure
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert bench(*args, "--json", str(tmp_path / "implied.json")) == 0  # the implied plot only warns
+    assert (tmp_path / "implied.json").exists()
+    assert "the plot needs matplotlib, which is not installed: pip install matplotlib" in capsys.readouterr().err
+
+
+def test_plot_flags_contradicting_are_refused(tmp_path, capsys):
+    assert bench("--url", "http://127.0.0.1:1", "--plot", str(tmp_path / "a.png"), "--no-plot") == 2
+    assert "--plot and --no-plot" in capsys.readouterr().err
 
 
 def test_latency_percentiles_and_shared_prefix_spread():

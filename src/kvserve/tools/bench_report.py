@@ -107,8 +107,9 @@ def plot(report: BenchReport, records, path: str) -> None:
         import matplotlib.pyplot as plt
         import matplotlib.ticker
     except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib, which is not installed: pip install matplotlib "
-                              "(or pip install 'kvserve[plot]'); the JSON and text report are unaffected") from None
+        raise PlotUnavailable("the plot needs matplotlib, which is not installed: pip install matplotlib "
+                              "(a kvserve dependency; --no-plot skips the plot); the JSON and text report are "
+                              "unaffected") from None
     ok = [r for r in records if r.error is None]
     series = {"TTFT": [r.ttft for r in ok if r.ttft is not None], "TPOT": [r.tpot for r in ok if r.tpot is not None],
               "ITL": [x for r in ok for x in r.itl], "E2E": [r.e2e for r in ok if r.e2e is not None]}

@@ -330,7 +330,9 @@ def add_parser(subparsers) -> None:
     w.add_argument("--seed", type=int, default=0)
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the report (and per-request records) as JSON")
-    o.add_argument("--plot", metavar="PNG", help="latency CDFs and throughput over time (needs matplotlib)")
+    o.add_argument("--plot", metavar="PNG", help="latency CDFs and throughput over time (default with --json: the "
+                   "JSON's path with .png)")
+    o.add_argument("--no-plot", action="store_true", help="no PNG beside the --json report")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--save-result", action="store_true",
                    help="vLLM's: write the JSON report to --result-filename, or a dated name in --result-dir")
@@ -440,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         check_writable(args.json, "--json")
+        png = plot_path(args)
+        check_writable(png, "--plot")
         report, records = run_bench(cfg)
     except ConfigError as e:
         print(f"kvserve bench serve: error: {e}", file=sys.stderr)
@@ -450,10 +454,24 @@ def run(args: argparse.Namespace) -> int:
                                               for r in records]}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
-    if args.plot:
+    if png:
         try:
-            plot(report, records, args.plot)
+            plot(report, records, png)
         except PlotUnavailable as e:
             print(f"kvserve bench serve: {e}", file=sys.stderr)
-            return 1
+            if args.plot:  # asked for by name; the implied one beside --json only warns
+                return 1
+        else:
+            print(f"plot: {png}")
     return 0 if report.completed else 1
+
+
+def plot_path(args) -> str | None:
+    """--plot, else the --json report's path with .png (a plot is what people look at first)."""
+    if args.no_plot:
+        if args.plot:
+            raise ConfigError("--plot and --no-plot contradict each other; give one")
+        return None
+    if args.plot or not args.json:
+        return args.plot
+    return str(Path(args.json).with_suffix(".png"))
