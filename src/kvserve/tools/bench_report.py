@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvserve.tools.plotting import pyplot
+
 
 @dataclass
 class Latency:
@@ -95,21 +97,11 @@ def format_report(r: BenchReport) -> str:
     return "\n".join(lines).rstrip()
 
 
-class PlotUnavailable(RuntimeError):
-    pass
-
-
 def plot(report: BenchReport, records, path: str) -> None:
     """Latency CDFs (TTFT, TPOT, ITL, E2E) and output tokens/s over time, one PNG."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        raise PlotUnavailable("the plot needs matplotlib, which is not installed: pip install matplotlib "
-                              "(a kvserve dependency; --no-plot skips the plot); the JSON and text report are "
-                              "unaffected") from None
+    plt = pyplot()
+    import matplotlib.ticker
+
     ok = [r for r in records if r.error is None]
     series = {"TTFT": [r.ttft for r in ok if r.ttft is not None], "TPOT": [r.tpot for r in ok if r.tpot is not None],
               "ITL": [x for r in ok for x in r.itl], "E2E": [r.e2e for r in ok if r.e2e is not None]}

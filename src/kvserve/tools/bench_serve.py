@@ -434,7 +434,8 @@ def run_bench(cfg: BenchConfig):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.tools.bench_report import PlotUnavailable, format_report, plot
+    from kvserve.tools.bench_report import format_report, plot
+    from kvserve.tools.plotting import PlotUnavailable
 
     if getattr(args, "bench_command", None) != "serve":
         args._bench_parser.print_help(sys.stderr)
@@ -458,7 +459,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot(report, records, png)
         except PlotUnavailable as e:
-            print(f"kvserve bench serve: {e}", file=sys.stderr)
+            print(f"kvserve bench serve: {e}; the report above is complete (--no-plot skips the plot)",
+                  file=sys.stderr)
             if args.plot:  # asked for by name; the implied one beside --json only warns
                 return 1
         else:
