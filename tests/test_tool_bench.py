@@ -235,7 +235,6 @@ def test_sweep_plot_draws_each_runs_figures(tmp_path):
     reports = [report(1, 10.0, 50, 90), report(2, 19.0, 60, 120), report(4, 30.0, 200, 900)]
     drawn = {label: (xs, ys) for label, xs, ys in plot_sweep(reports, str(tmp_path / "s.png"))}
     assert drawn["output tok/s"] == ([1, 2, 4], [10.0, 19.0, 30.0])
-    assert drawn["completed req/s"] == ([1, 2, 4], [0.5, 1.0, 2.0])
     assert drawn["TTFT p50"][1] == [50, 60, 200] and drawn["TTFT p99"][1] == [90, 120, 900]
     assert "TPOT p50" not in drawn and (tmp_path / "s.png").exists()
     assert format_sweep(reports).splitlines()[4].split() == ["4", "2.00", "30.0", "200.0", "900.0", "200.0",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -117,15 +118,16 @@ def plot_sweep(reports: list[BenchReport], path: str) -> list[tuple[str, list, l
     """Per-rate curves: throughput and latency percentiles against the offered rate; returns what
     was drawn, (label, rates, values) per line."""
     plt = pyplot()
+    import matplotlib.ticker
+
     rates = [r.request_rate for r in reports]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     left.plot(rates, [r.output_throughput for r in reports], marker="o", label="output tok/s")
+    for r in reports:  # with fixed output lengths a req/s line would only retrace this one
+        left.annotate(f"{r.request_throughput:.2f} req/s", (r.request_rate, r.output_throughput),
+                      xytext=(6, -4), textcoords="offset points", fontsize=8, color="gray", va="top")
+    left.margins(x=0.2, y=0.1)
     left.set(xlabel="offered rate (conversations/s)", ylabel="output tokens / s", title="Throughput")
-    twin = left.twinx()
-    twin.plot(rates, [r.request_throughput for r in reports], marker="s", color="gray", linestyle="--",
-              label="completed req/s")
-    twin.set(ylabel="requests / s")
-    left.legend(handles=left.get_lines() + twin.get_lines(), loc="upper left")
     left.grid(True, alpha=0.3)
     for name, attr in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
         for q, style in (("p50", "-"), ("p99", ":")):
@@ -133,15 +135,21 @@ def plot_sweep(reports: list[BenchReport], path: str) -> list[tuple[str, list, l
             right.plot(rates, values, marker="o", linestyle=style, label=f"{name} {q}",
                        color={"TTFT": "C0", "ITL": "C2", "E2E": "C3"}[name])
     right.set(yscale="log", xlabel="offered rate (conversations/s)", ylabel="latency (ms)", title="Latency")
+    if max(rates) >= 8 * min(rates):  # a geometric sweep reads best on a log axis
+        for ax in (left, right):
+            ax.set_xscale("log")
+            ax.set_xticks(rates, [f"{x:g}" for x in rates])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     right.grid(True, which="both", alpha=0.3)
     right.legend(fontsize=8, ncol=3)
     first = reports[0]
-    fig.suptitle(f"{first.model}: {first.workload}; {sum(r.completed for r in reports)} requests, "
+    workload = re.sub(r", Poisson [^,]*", "", first.workload)  # each run's own rate; the x axis has them
+    fig.suptitle(f"{first.model}: {workload}; {sum(r.completed for r in reports)} requests, "
                  f"{sum(r.errors for r in reports)} errors", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     drawn = [(line.get_label(), list(line.get_xdata()), list(line.get_ydata()))
-             for ax in (left, twin, right) for line in ax.get_lines()]
+             for ax in (left, right) for line in ax.get_lines()]
     plt.close(fig)
     return drawn
 
