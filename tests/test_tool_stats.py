@@ -339,6 +339,13 @@ def test_live_frame_from_recorded_kvserve_metrics():
     assert bar == "█" * 28  # 98.5 % of the 28-cell bar
     assert "45.0 output tok/s, 625.0 prompt tok/s" in text and "running/waiting  1 / 1" in text
     assert "sample 2/6 over 1.0 s" in text
+    # Two data-parallel engines: a tier's usage is their mean, its bytes their sum.
+    two = RECORDED[1] + "\n".join(line.replace('",tier=', '",engine="1",tier=').replace(" 0.98", " 0.48")
+                                   for line in RECORDED[1].splitlines() if "tier=" in line)
+    f = live_figures("u", [Scrape(0.0, *parse_scrape(two))])
+    host = f.tiers[1]
+    assert host.usage == pytest.approx((0.9845336498340042 + 0.4845336498340042) / 2)
+    assert host.used_bytes == 2 * 31_714_048
 
 
 def test_live_view_on_a_terminal_then_the_report(capsys, busy_server, monkeypatch):

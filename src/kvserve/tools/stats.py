@@ -39,7 +39,7 @@ class StatsError(RuntimeError):
 class Scrape:
     time: float                       # monotonic seconds
     samples: dict[str, list[float]]  # sample name -> one value per label set
-    tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # sample name -> tier label -> value (summed)
+    tiers: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # sample name -> tier -> one value per label set
 
 
 def metrics_url(url: str) -> str:
@@ -53,16 +53,16 @@ def parse_metrics(text: str) -> dict[str, list[float]]:
     return parse_scrape(text)[0]
 
 
-def parse_scrape(text: str) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
-    """Values by sample name, and those with a `tier` label (kvserve's offload tiers) by tier too."""
+def parse_scrape(text: str) -> tuple[dict[str, list[float]], dict[str, dict[str, list[float]]]]:
+    """Values by sample name, and those with a `tier` label (kvserve's offload tiers) by tier too
+    (several values where several engines report: data-parallel replicas)."""
     out: dict[str, list[float]] = {}
-    tiers: dict[str, dict[str, float]] = {}
+    tiers: dict[str, dict[str, list[float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out.setdefault(s.name, []).append(float(s.value))
             if "tier" in s.labels:
-                by_tier = tiers.setdefault(s.name, {})
-                by_tier[s.labels["tier"]] = by_tier.get(s.labels["tier"], 0.0) + float(s.value)
+                tiers.setdefault(s.name, {}).setdefault(s.labels["tier"], []).append(float(s.value))
     return out, tiers
 
 

@@ -59,8 +59,9 @@ def live_figures(url: str, scrapes: list[Scrape], failed: int = 0) -> LiveFigure
     last = scrapes[-1] if scrapes else None
     if last is not None:
         usage, used = last.tiers.get(TIER_USAGE, {}), last.tiers.get(TIER_USED_BYTES, {})
+        # Several engines: usage is a fraction of each one's tier, so average; bytes add up.
         for name in sorted(usage, key=lambda t: (TIER_ORDER.index(t) if t in TIER_ORDER else len(TIER_ORDER), t)):
-            tiers.append(TierFigure(name, usage[name], used.get(name)))
+            tiers.append(TierFigure(name, mean_of(usage[name]), sum(used[name]) if name in used else None))
     hit_last = None
     hits, queries = (_rate_last(scrapes, "vllm:prefix_cache_hits_total"),
                      _rate_last(scrapes, "vllm:prefix_cache_queries_total"))
