@@ -183,19 +183,70 @@ def test_vllm_bench_serve_flags_map_onto_this_tools():
 
 
 @pytest.mark.slow
-def test_plot_writes_png_or_says_matplotlib_is_missing(server, tmp_path, capsys, monkeypatch):
-    png = tmp_path / "bench.png"
-    args = ["--url", server.url, "--concurrency", "2", "--num-requests", "2", "--prompt-len", "16",
-            "--output-len", "4", "--plot", str(png)]
-    try:
-        import matplotlib  # noqa: F401
-        assert bench(*args) == 0
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    except ImportError:
-        pass
+def test_plot_beside_the_json_or_says_matplotlib_is_missing(server, tmp_path, capsys, monkeypatch):
+    args = ["--url", server.url, "--concurrency", "2", "--num-requests", "2", "--prompt-len", "16", "--output-len", "4"]
+    assert bench(*args, "--json", str(tmp_path / "run.json")) == 0
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {tmp_path / 'run.png'}" in capsys.readouterr().out
+    assert bench(*args, "--json", str(tmp_path / "quiet.json"), "--no-plot") == 0
+    assert (tmp_path / "quiet.json").exists() and not (tmp_path / "quiet.png").exists()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a machine without it
-    assert bench(*args) == 1
-    assert "--plot needs matplotlib, which is not installed" in capsys.readouterr().err
+    assert bench(*args, "--plot", str(tmp_path / "named.png")) == 1  # asked for by name: a failure
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert bench(*args, "--json", str(tmp_path / "implied.json")) == 0  # the implied plot only warns
+    assert (tmp_path / "implied.json").exists()
+    assert "the plot needs matplotlib, which is not installed: pip install matplotlib" in capsys.readouterr().err
+
+
+def test_plot_flags_contradicting_are_refused(tmp_path, capsys):
+    assert bench("--url", "http://127.0.0.1:1", "--plot", str(tmp_path / "a.png"), "--no-plot") == 2
+    assert "--plot and --no-plot" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rate_sweep_runs_each_rate_and_plots_per_rate_curves(server, tmp_path, capsys):
+    before = counters(server)
+    out = tmp_path / "sweep.json"
+    rc = bench("--url", server.url, "--request-rate", "2,8", "--num-requests", "3", "--prompt-len", "16",
+               "--output-len", "4", "--json", str(out))
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())["sweep"]
+    assert rc == 0 and [d["request_rate"] for d in doc] == [2, 8]
+    assert [d["completed"] for d in doc] == [3, 3] and all(d["errors"] == 0 for d in doc)
+    assert ["open loop, Poisson 2 conversations/s", "open loop, Poisson 8 conversations/s"] == [d["load"] for d in doc]
+    after = counters(server)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 2 * 3 * 4
+    assert text.count("kvserve bench serve: ") == 2 and "Sweep over --request-rate" in text
+    sweep = text[text.index("Sweep over"):].splitlines()
+    assert sweep[2].split()[:2] == ["2", f"{doc[0]['request_throughput']:.2f}"]
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_plot_draws_each_runs_figures(tmp_path):
+    from kvserve.tools.bench_report import BenchReport, Latency, format_sweep, plot_sweep
+
+    def report(rate, tps, ttft50, ttft99):
+        lat = Latency(4, ttft50, ttft50, ttft99, ttft99, ttft99)
+        return BenchReport(url="u", model="m", workload="w", load="l", duration_s=1, completed=4, errors=0,
+                           error_examples=[], input_tokens=1, output_tokens=1, request_throughput=rate / 2,
+                           output_throughput=tps, total_token_throughput=tps, ttft_ms=lat, tpot_ms=None,
+                           itl_ms=lat, e2e_ms=lat, request_rate=rate)
+
+    reports = [report(1, 10.0, 50, 90), report(2, 19.0, 60, 120), report(4, 30.0, 200, 900)]
+    drawn = {label: (xs, ys) for label, xs, ys in plot_sweep(reports, str(tmp_path / "s.png"))}
+    assert drawn["output tok/s"] == ([1, 2, 4], [10.0, 19.0, 30.0])
+    assert drawn["TTFT p50"][1] == [50, 60, 200] and drawn["TTFT p99"][1] == [90, 120, 900]
+    assert "TPOT p50" not in drawn and (tmp_path / "s.png").exists()
+    assert format_sweep(reports).splitlines()[4].split() == ["4", "2.00", "30.0", "200.0", "900.0", "200.0",
+                                                             "900.0", "900.0", "0"]
+
+
+def test_rate_sweep_errors_name_the_flag(capsys):
+    for rates, needle in (("1,inf", "cannot be one step of a sweep"), ("2,0", "must be > 0"), ("1,x", "e.g. 1,2,4")):
+        with pytest.raises(SystemExit):
+            bench("--url", "http://x", "--request-rate", rates)
+        err = capsys.readouterr().err
+        assert "--request-rate" in err and needle in err
 
 
 def test_latency_percentiles_and_shared_prefix_spread():

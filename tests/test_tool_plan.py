@@ -1,9 +1,11 @@
 """`kvserve plan` against figures computed by hand and published parameter counts."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -285,3 +287,43 @@ def test_corrupt_gguf_and_bare_directory_are_named(capsys, tmp_path):
     empty.mkdir()
     assert plan_tool.main([str(empty)]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def _plan_args(*argv):
+    parser = argparse.ArgumentParser()
+    plan_tool.add_parser(parser.add_subparsers())
+    return parser.parse_args(["plan", *argv])
+
+
+def test_plot_draws_the_figures_plan_computes(capsys, tmp_path):
+    """The plotted lines are plan_kv's figures: every printed table cell lies on its dtype's line,
+    and every point equals plan_kv for that dtype and length (not pixels: the drawn data)."""
+    from kvserve.tools.plan_plot import plot_plan
+
+    argv = ["--model", "Llama-3.1-8B", "--gpu-memory", "80GiB", "--max-model-len", "20000", "--max-num-seqs", "64"]
+    png = tmp_path / "plan.png"
+    rc, doc = _plan_json(capsys, *argv, "--plot", str(png))
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = plan_tool.build_plan_report(_plan_args(*argv, "--plot", str(tmp_path / "again.png")))
+    drawn = plot_plan(report, str(tmp_path / "again.png"), max_num_seqs=64)
+    assert [d[0] for d in drawn] == list(plan_tool.TABLE_KV_DTYPES) == [r["kv_cache_dtype"] for r in doc["curves"]]
+    budget = doc["budget"]["kv_cache_memory"]
+    for (kv_dtype, xs, ys), table_row, curve_row in zip(drawn, doc["table"], doc["curves"]):
+        assert xs == sorted(xs) and xs[0] == 256 and xs[-1] == 131072 and 20000 in xs
+        assert list(zip(xs, ys)) == [(c["max_model_len"], c["max_concurrency"]) for c in curve_row["max_concurrency"]]
+        on_line = dict(zip(xs, ys))
+        for cell in table_row["max_concurrency"]:  # the printed table
+            assert on_line[cell["max_model_len"]] == cell["max_concurrency"]
+        for n, y in on_line.items():
+            p = plan_kv(resolve_model("Llama-3.1-8B").config, budget, 16, kv_dtype, "bfloat16", n, max_num_seqs=64)
+            assert y == p.max_concurrency
+    assert "plot: " not in capsys.readouterr().out  # --json keeps stdout JSON
+    assert plan_tool.main(argv) == 0 and "curves" not in capsys.readouterr().out  # no --plot: no curves
+
+
+def test_plot_errors_name_the_flag_and_the_fix(capsys, tmp_path, monkeypatch):
+    assert plan_tool.main(["--plot", str(tmp_path / "missing" / "plan.png")]) == 2
+    assert "--plot" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a machine without it
+    assert plan_tool.main(["--plot", str(tmp_path / "plan.png")]) == 1
+    assert "pip install matplotlib" in capsys.readouterr().err

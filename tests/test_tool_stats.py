@@ -6,6 +6,7 @@ known values and the window's rates and verdicts are known exactly.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -208,8 +209,8 @@ def test_wrong_path_and_non_prometheus_body(capsys, busy_server):
 
 def test_bad_arguments(capsys):
     with closed_port() as port:
-        rc, out = _run(capsys, "--url", f"http://127.0.0.1:{port}", "--samples", "0")
-    assert rc == 2 and "--samples >= 1" in out
+        rc, out = _run(capsys, "--url", f"http://127.0.0.1:{port}", "--samples", "-1")
+    assert rc == 2 and "--samples >= 0 (0: until Ctrl-C)" in out
 
 
 def test_through_the_kvserve_cli(capsys, busy_server):
@@ -254,6 +255,11 @@ def test_against_the_real_kvserve_server(request, tmp_path):
     assert report.kv_usage_metric == "vllm:kv_cache_usage_perc" and 0 <= report.kv_usage.max <= 1
     assert report.prefix_queries_in_window > 0 and report.prefix_hit_rate > 0.5
     assert report.preemptions_in_window == 0 and report.running is not None
+    # The live view's frame from the same scrapes: device usage is the report's last value.
+    from kvserve.tools.stats_live import live_figures, render
+    figures = live_figures(url, result["scrapes"])
+    assert [t.name for t in figures.tiers] == ["device"] and figures.tiers[0].usage == report.kv_usage.last
+    assert figures.generation_tps is not None and "KV device" in _frame_text(render(url, figures, 10, 0.25))
 
     wait_until(lambda: log_path.exists() and len(log_path.read_text().splitlines()) >= 6, 10,
                what="6 request-log lines")
@@ -270,3 +276,103 @@ def test_against_the_real_kvserve_server(request, tmp_path):
 def test_url_defaults_to_the_local_kvserve_server():
     from kvserve.cli import build_parser
     assert build_parser().parse_args(["stats"]).url == "http://127.0.0.1:8000"
+
+
+# Two scrapes of a real `kvserve serve --kv-cache-memory 56MiB --swap-space 0.03 --kv-disk-path ...`
+# one second apart under `kvserve bench serve` load (the lines the live view reads, as served).
+RECORDED = ['''
+vllm:num_requests_running{model_name="SmolLM2-135M-Instruct"} 2.0
+vllm:num_requests_waiting{model_name="SmolLM2-135M-Instruct"} 0.0
+vllm:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct"} 0.6329113924050633
+vllm:prefix_cache_queries_total{model_name="SmolLM2-135M-Instruct"} 3116.0
+vllm:prefix_cache_hits_total{model_name="SmolLM2-135M-Instruct"} 1339.0
+vllm:num_preemptions_total{model_name="SmolLM2-135M-Instruct"} 0.0
+vllm:prompt_tokens_total{model_name="SmolLM2-135M-Instruct"} 3116.0
+vllm:generation_tokens_total{model_name="SmolLM2-135M-Instruct"} 98.0
+kvserve:kv_cached_usage_perc{model_name="SmolLM2-135M-Instruct"} 0.3670886075949367
+kvserve:kv_tier_usage_perc{model_name="SmolLM2-135M-Instruct",tier="host"} 0.1373767883489308
+kvserve:kv_tier_usage_perc{model_name="SmolLM2-135M-Instruct",tier="disk"} 0.06594085693359375
+kvserve:kv_tier_used_bytes{model_name="SmolLM2-135M-Instruct",tier="host"} 4.425216e+06
+kvserve:kv_tier_used_bytes{model_name="SmolLM2-135M-Instruct",tier="disk"} 4.425216e+06
+''', '''
+vllm:num_requests_running{model_name="SmolLM2-135M-Instruct"} 1.0
+vllm:num_requests_waiting{model_name="SmolLM2-135M-Instruct"} 1.0
+vllm:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct"} 0.25316455696202533
+vllm:prefix_cache_queries_total{model_name="SmolLM2-135M-Instruct"} 3410.0
+vllm:prefix_cache_hits_total{model_name="SmolLM2-135M-Instruct"} 1339.0
+vllm:num_preemptions_total{model_name="SmolLM2-135M-Instruct"} 0.0
+vllm:prompt_tokens_total{model_name="SmolLM2-135M-Instruct"} 3741.0
+vllm:generation_tokens_total{model_name="SmolLM2-135M-Instruct"} 143.0
+kvserve:kv_cached_usage_perc{model_name="SmolLM2-135M-Instruct"} 0.7468354430379747
+kvserve:kv_tier_usage_perc{model_name="SmolLM2-135M-Instruct",tier="host"} 0.9845336498340042
+kvserve:kv_tier_usage_perc{model_name="SmolLM2-135M-Instruct",tier="disk"} 0.6374282836914062
+kvserve:kv_tier_used_bytes{model_name="SmolLM2-135M-Instruct",tier="host"} 3.1714048e+07
+kvserve:kv_tier_used_bytes{model_name="SmolLM2-135M-Instruct",tier="disk"} 4.2777088e+07
+''']
+
+
+def _frame_text(renderable, width=110) -> str:
+    from rich.console import Console
+    console = Console(record=True, width=width, force_terminal=False, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_live_frame_from_recorded_kvserve_metrics():
+    from kvserve.tools.stats import Scrape, parse_scrape
+    from kvserve.tools.stats_live import live_figures, render
+
+    scrapes = [Scrape(t, *parse_scrape(text)) for t, text in zip((10.0, 11.0), RECORDED)]
+    f = live_figures("u", scrapes)
+    assert [(t.name, t.usage) for t in f.tiers] == [("device", 0.25316455696202533), ("host", 0.9845336498340042),
+                                                    ("disk", 0.6374282836914062)]
+    assert f.tiers[0].cached == 0.7468354430379747 and f.tiers[2].used_bytes == 42_777_088
+    assert f.generation_tps == 45 and f.prompt_tps == 625  # per second over the last interval
+    assert f.hit_rate == 0 and f.hit_rate_last == 0  # no new hits in the window: 294 tokens queried
+    assert (f.running, f.waiting, f.preemptions, f.samples, f.window_s) == (1, 1, 0, 2, 1.0)
+    text = _frame_text(render("http://h/metrics", f, samples_asked=6, interval=1))
+    lines = {line.split()[2]: line for line in text.splitlines() if line.startswith("│ KV ")}
+    assert list(lines) == ["device", "host", "disk"]
+    assert "25.3%" in lines["device"] and "74.7% cached" in lines["device"]
+    assert "98.5%" in lines["host"] and "30.2 MiB" in lines["host"] and "40.8 MiB" in lines["disk"]
+    bar = lines["host"].split()[3]
+    assert bar == "█" * 28  # 98.5 % of the 28-cell bar
+    assert "45.0 output tok/s, 625.0 prompt tok/s" in text and "running/waiting  1 / 1" in text
+    assert "sample 2/6 over 1.0 s" in text
+    # Two data-parallel engines: a tier's usage is their mean, its bytes their sum.
+    two = RECORDED[1] + "\n".join(line.replace('",tier=', '",engine="1",tier=').replace(" 0.98", " 0.48")
+                                   for line in RECORDED[1].splitlines() if "tier=" in line)
+    f = live_figures("u", [Scrape(0.0, *parse_scrape(two))])
+    host = f.tiers[1]
+    assert host.usage == pytest.approx((0.9845336498340042 + 0.4845336498340042) / 2)
+    assert host.used_bytes == 2 * 31_714_048
+
+
+def test_live_view_on_a_terminal_then_the_report(capsys, busy_server, monkeypatch):
+    """On a TTY the frames are drawn while sampling and the plain report follows; --no-live and a
+    pipe print the report alone."""
+    import re
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setenv("COLUMNS", "110")
+    rc, out = _run(capsys, "--url", busy_server.url, "--samples", "4", "--interval", "0.05")
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)
+    assert rc == 0 and busy_server.scrapes == 4
+    assert out.count("KV device") >= 4  # a frame per scrape (and the final one)
+    assert "sample 4/4" in out and "running/waiting  12 / 3" in out
+    assert out.index("sample 4/4") < out.index("kvserve stats: " + busy_server.url + "/metrics: 4 samples")
+    rc, plain = _run(capsys, "--url", busy_server.url, "--samples", "2", "--interval", "0", "--no-live")
+    assert "KV device" not in plain and "KV usage          mean" in plain
+    monkeypatch.undo()
+    rc, piped = _run(capsys, "--url", busy_server.url, "--samples", "2", "--interval", "0")
+    assert "KV device" not in piped and "\x1b[" not in piped and "KV usage          mean" in piped
+
+
+def test_samples_zero_runs_until_interrupted(busy_server):
+    from kvserve.tools.stats import sample
+
+    def stop_after_three(scrapes, failed, i):
+        if i == 2:
+            raise KeyboardInterrupt
+
+    scrapes, failed = sample(metrics_url(busy_server.url), 0, 0, 5, on_scrape=stop_after_three)
+    assert len(scrapes) == 3 and failed == 0 and busy_server.scrapes == 3

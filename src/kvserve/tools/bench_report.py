@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from kvserve.tools.plotting import pyplot
 
 
 @dataclass
@@ -48,10 +51,11 @@ class BenchReport:
     e2e_ms: Latency | None
     output_tokens_per_second_over_time: list[float] = field(default_factory=list)  # 1 s bins from the start
     notes: list[str] = field(default_factory=list)
+    request_rate: float | None = None  # open loop: the offered conversations/s
 
 
 def summarize(records, duration_s: float, *, url: str, model: str, workload: str, load: str,
-              notes: list[str]) -> BenchReport:
+              notes: list[str], request_rate: float | None = None) -> BenchReport:
     ok = [r for r in records if r.error is None]
     bad = [r for r in records if r.error is not None]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -70,7 +74,7 @@ def summarize(records, duration_s: float, *, url: str, model: str, workload: str
         tpot_ms=latency([r.tpot for r in ok if r.tpot is not None]),
         itl_ms=latency([x for r in ok for x in r.itl]),
         e2e_ms=latency([r.e2e for r in ok if r.e2e is not None]),
-        output_tokens_per_second_over_time=bins, notes=list(notes))
+        output_tokens_per_second_over_time=bins, notes=list(notes), request_rate=request_rate)
 
 
 def format_report(r: BenchReport) -> str:
@@ -95,20 +99,66 @@ def format_report(r: BenchReport) -> str:
     return "\n".join(lines).rstrip()
 
 
-class PlotUnavailable(RuntimeError):
-    pass
+def format_sweep(reports: list[BenchReport]) -> str:
+    """One line per offered rate: what came out, and what waiting for it cost."""
+    def p(s: Latency | None, q: str) -> str:
+        return f"{getattr(s, q):>9.1f}" if s is not None else f"{'n/a':>9}"
+
+    lines = ["Sweep over --request-rate (conversations/s)",
+             f"  {'rate':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>9} "
+             f"{'ITL p99':>9} {'E2E p99':>9} {'failed':>7}"]
+    for r in reports:
+        lines.append(f"  {r.request_rate:>6g} {r.request_throughput:>7.2f} {r.output_throughput:>10.1f} "
+                     f"{p(r.ttft_ms, 'p50')} {p(r.ttft_ms, 'p99')} {p(r.itl_ms, 'p50')} {p(r.itl_ms, 'p99')} "
+                     f"{p(r.e2e_ms, 'p99')} {r.errors:>7}")
+    return "\n".join(lines)
+
+
+def plot_sweep(reports: list[BenchReport], path: str) -> list[tuple[str, list, list]]:
+    """Per-rate curves: throughput and latency percentiles against the offered rate; returns what
+    was drawn, (label, rates, values) per line."""
+    plt = pyplot()
+    import matplotlib.ticker
+
+    rates = [r.request_rate for r in reports]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.plot(rates, [r.output_throughput for r in reports], marker="o", label="output tok/s")
+    for r in reports:  # with fixed output lengths a req/s line would only retrace this one
+        left.annotate(f"{r.request_throughput:.2f} req/s", (r.request_rate, r.output_throughput),
+                      xytext=(6, -4), textcoords="offset points", fontsize=8, color="gray", va="top")
+    left.margins(x=0.2, y=0.1)
+    left.set(xlabel="offered rate (conversations/s)", ylabel="output tokens / s", title="Throughput")
+    left.grid(True, alpha=0.3)
+    for name, attr in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
+        for q, style in (("p50", "-"), ("p99", ":")):
+            values = [getattr(getattr(r, attr), q) if getattr(r, attr) else float("nan") for r in reports]
+            right.plot(rates, values, marker="o", linestyle=style, label=f"{name} {q}",
+                       color={"TTFT": "C0", "ITL": "C2", "E2E": "C3"}[name])
+    right.set(yscale="log", xlabel="offered rate (conversations/s)", ylabel="latency (ms)", title="Latency")
+    if max(rates) >= 8 * min(rates):  # a geometric sweep reads best on a log axis
+        for ax in (left, right):
+            ax.set_xscale("log")
+            ax.set_xticks(rates, [f"{x:g}" for x in rates])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    right.grid(True, which="both", alpha=0.3)
+    right.legend(fontsize=8, ncol=3)
+    first = reports[0]
+    workload = re.sub(r", Poisson [^,]*", "", first.workload)  # each run's own rate; the x axis has them
+    fig.suptitle(f"{first.model}: {workload}; {sum(r.completed for r in reports)} requests, "
+                 f"{sum(r.errors for r in reports)} errors", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    drawn = [(line.get_label(), list(line.get_xdata()), list(line.get_ydata()))
+             for ax in (left, right) for line in ax.get_lines()]
+    plt.close(fig)
+    return drawn
 
 
 def plot(report: BenchReport, records, path: str) -> None:
     """Latency CDFs (TTFT, TPOT, ITL, E2E) and output tokens/s over time, one PNG."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib, which is not installed: pip install matplotlib "
-                              "(or pip install 'kvserve[plot]'); the JSON and text report are unaffected") from None
+    plt = pyplot()
+    import matplotlib.ticker
+
     ok = [r for r in records if r.error is None]
     series = {"TTFT": [r.ttft for r in ok if r.ttft is not None], "TPOT": [r.tpot for r in ok if r.tpot is not None],
               "ITL": [x for r in ok for x in r.itl], "E2E": [r.e2e for r in ok if r.e2e is not None]}
@@ -120,7 +170,8 @@ def plot(report: BenchReport, records, path: str) -> None:
     axes[0].set(xscale="log", xlabel="latency (ms)", ylabel="fraction of requests / gaps", title="Latency CDF")
     axes[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # log-axis minor labels collide
     axes[0].grid(True, which="both", alpha=0.3)
-    axes[0].legend()
+    if axes[0].get_lines():  # none when every request failed
+        axes[0].legend()
     bins = report.output_tokens_per_second_over_time
     axes[1].plot(np.arange(len(bins)) + 0.5, bins, drawstyle="steps-mid")
     axes[1].axhline(report.output_throughput, linestyle="--", color="gray",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import random
@@ -298,8 +299,9 @@ def add_parser(subparsers) -> None:
     load = p.add_argument_group("load (one of)")
     load.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int,
                       help="closed loop: N clients back to back (default 8)")
-    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals, conversations per second "
-                      "(inf, vLLM's default: every request at once)")
+    load.add_argument("--request-rate", type=parse_rates, help="open loop: Poisson arrivals, conversations per "
+                      "second (inf, vLLM's default: every request at once); several, e.g. 1,2,4, run one after "
+                      "another and are compared (the plot draws latency and throughput against the rate)")
     stop = p.add_argument_group("when to stop (the first reached; default --num-requests 100)")
     stop.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int,
                       help="requests to send (each turn counts)")
@@ -330,7 +332,9 @@ def add_parser(subparsers) -> None:
     w.add_argument("--seed", type=int, default=0)
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the report (and per-request records) as JSON")
-    o.add_argument("--plot", metavar="PNG", help="latency CDFs and throughput over time (needs matplotlib)")
+    o.add_argument("--plot", metavar="PNG", help="latency CDFs and throughput over time (default with --json: the "
+                   "JSON's path with .png)")
+    o.add_argument("--no-plot", action="store_true", help="no PNG beside the --json report")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--save-result", action="store_true",
                    help="vLLM's: write the JSON report to --result-filename, or a dated name in --result-dir")
@@ -345,6 +349,21 @@ def add_parser(subparsers) -> None:
 
 
 DEFAULT_NUM_REQUESTS = 100  # when neither --num-requests nor --duration is given
+
+
+def parse_rates(text: str) -> list[float]:
+    """--request-rate: one rate, or several comma-separated for a sweep."""
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give conversations per second, e.g. 4, inf, or several "
+                                         "for a sweep, e.g. 1,2,4") from None
+    if any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: every rate must be > 0")
+    if len(rates) > 1 and any(r == float("inf") for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: inf (everything at once) cannot be one step of a sweep; "
+                                         "run it on its own")
+    return rates
 
 
 def apply_vllm_flags(args) -> None:
@@ -380,6 +399,10 @@ def apply_vllm_flags(args) -> None:
 
 
 def config_from_args(args) -> BenchConfig:
+    if isinstance(args.request_rate, list):  # one step of a sweep is one rate (run() splits them)
+        if len(args.request_rate) > 1:
+            raise ConfigError("several --request-rate values: one run each, so one config each")
+        args.request_rate = args.request_rate[0]
     apply_vllm_flags(args)
     if args.concurrency is not None and args.request_rate is not None:
         raise ConfigError("give --concurrency (closed loop) or --request-rate (open loop), not both")
@@ -427,33 +450,67 @@ def run_bench(cfg: BenchConfig):
     load = (f"closed loop, concurrency {cfg.concurrency}" if cfg.concurrency
             else f"open loop, Poisson {cfg.request_rate:g} conversations/s")
     report = summarize(bench.records, duration, url=cfg.url, model=cfg.model, workload=describe(cfg.workload),
-                       load=load, notes=bench.notes)
+                       load=load, notes=bench.notes, request_rate=cfg.request_rate)
     return report, bench.records
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.tools.bench_report import PlotUnavailable, format_report, plot
+    from kvserve.tools.bench_report import format_report, format_sweep, plot, plot_sweep
+    from kvserve.tools.plotting import PlotUnavailable
 
     if getattr(args, "bench_command", None) != "serve":
         args._bench_parser.print_help(sys.stderr)
         return 2
+    rates = args.request_rate if isinstance(args.request_rate, list) else [args.request_rate]
     try:
-        cfg = config_from_args(args)
-        check_writable(args.json, "--json")
-        report, records = run_bench(cfg)
+        cfgs = []
+        for rate in rates:  # every step's settings checked before the first one runs
+            step = copy.copy(args)
+            step.request_rate = rate
+            cfgs.append(config_from_args(step))
+        json_path = step.json  # --save-result names it in config_from_args
+        check_writable(json_path, "--json")
+        png = plot_path(args, json_path)
+        check_writable(png, "--plot")
+        runs = []
+        for i, cfg in enumerate(cfgs):
+            if i:
+                print()
+            runs.append(run_bench(cfg))
+            print(format_report(runs[-1][0]))
     except ConfigError as e:
         print(f"kvserve bench serve: error: {e}", file=sys.stderr)
         return 2
-    print(format_report(report))
-    if args.json:
-        doc = {**asdict(report), "requests": [{k: v for k, v in asdict(r).items() if k not in ("chunk_times", "chunk_tokens")}
-                                              for r in records]}
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-    if args.plot:
+    if len(runs) > 1:
+        print("\n" + format_sweep([r for r, _ in runs]))
+    if json_path:
+        docs = [{**asdict(report), "requests": [{k: v for k, v in asdict(r).items()
+                                                 if k not in ("chunk_times", "chunk_tokens")} for r in records]}
+                for report, records in runs]
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(docs[0] if len(docs) == 1 else {"sweep": docs}, f, indent=2)
+    if png:
         try:
-            plot(report, records, args.plot)
+            if len(runs) == 1:
+                plot(*runs[0], png)
+            else:
+                plot_sweep([r for r, _ in runs], png)
         except PlotUnavailable as e:
-            print(f"kvserve bench serve: {e}", file=sys.stderr)
-            return 1
-    return 0 if report.completed else 1
+            print(f"kvserve bench serve: {e}; the report above is complete (--no-plot skips the plot)",
+                  file=sys.stderr)
+            if args.plot:  # asked for by name; the implied one beside --json only warns
+                return 1
+        else:
+            print(f"plot: {png}")
+    return 0 if all(report.completed for report, _ in runs) else 1
+
+
+def plot_path(args, json_path: str | None) -> str | None:
+    """--plot, else the --json report's path with .png (a plot is what people look at first)."""
+    if args.no_plot:
+        if args.plot:
+            raise ConfigError("--plot and --no-plot contradict each other; give one")
+        return None
+    if args.plot or not json_path:
+        return args.plot
+    return str(Path(json_path).with_suffix(".png"))

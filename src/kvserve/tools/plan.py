@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 
 from kvserve.config import (DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, ConfigError, ModelConfig, check_block_size,
-                            parse_size)
+                            check_writable, parse_size)
 from kvserve.tools.presets import ModelSpec, count_parameters, resolve_model
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -281,6 +281,18 @@ class PlanReport:
     table: list[TableRow]
     warnings: list[str] = field(default_factory=list)
     fatal: bool = False  # max-model-len cannot fit (exit 1 under --strict)
+    curves: list[TableRow] = field(default_factory=list)  # the table on a finer grid of lengths, for --plot
+
+
+def curve_lens(table_lens: list[int], block_size: int, longest: int) -> list[int]:
+    """Lengths for the plot: powers of two from 256 tokens (or one block) up to the longest, and
+    the table's own lengths (concurrency is ~ 1 / length: straight on the plot's log-log axes)."""
+    lens = set(table_lens) | {longest}
+    n = max(block_size, 256)
+    while n < longest:
+        lens.add(n)
+        n *= 2
+    return sorted(lens)
 
 
 def build_plan_report(args: argparse.Namespace) -> PlanReport:
@@ -292,17 +304,24 @@ def build_plan_report(args: argparse.Namespace) -> PlanReport:
                    tensor_parallel_size=args.tensor_parallel_size, mean_context_len=args.mean_context_len,
                    max_num_seqs=args.max_num_seqs)
     lens = sorted({n for n in TABLE_MODEL_LENS if n <= cfg.max_position_embeddings} | {plan.max_model_len})
-    table = []
-    for kv_dtype in TABLE_KV_DTYPES:
-        row = [plan_kv(cfg, budget.kv_cache_memory, args.block_size, kv_dtype, dtype, n,
-                       tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs)
-               for n in lens]
-        table.append(TableRow(kv_dtype, row[0].bytes_per_token, row[0].num_blocks, row[0].num_tokens,
-                              [{"max_model_len": p.max_model_len, "max_concurrency": p.max_concurrency} for p in row]))
+
+    def rows(lens: list[int]) -> list[TableRow]:
+        out = []
+        for kv_dtype in TABLE_KV_DTYPES:
+            row = [plan_kv(cfg, budget.kv_cache_memory, args.block_size, kv_dtype, dtype, n,
+                           tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs)
+                   for n in lens]
+            out.append(TableRow(kv_dtype, row[0].bytes_per_token, row[0].num_blocks, row[0].num_tokens,
+                                [{"max_model_len": p.max_model_len, "max_concurrency": p.max_concurrency}
+                                 for p in row]))
+        return out
+
     report = PlanReport(model=cfg.name, source=spec.source, architecture=cfg.architecture,
                         num_hidden_layers=cfg.num_hidden_layers, num_key_value_heads=cfg.num_key_value_heads,
                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                        budget=budget, plan=plan, table=table)
+                        budget=budget, plan=plan, table=rows(lens))
+    if getattr(args, "plot", None):
+        report.curves = rows(curve_lens(lens, args.block_size, max(cfg.max_position_embeddings, plan.max_model_len)))
     residual = (f" (the {args.kv_cache_dtype} cache's full-precision residual pool takes "
                 f"{fmt_bytes(plan.reserved_bytes)} of the budget first, one open block per sequence of "
                 f"--max-num-seqs {args.max_num_seqs})" if plan.reserved_bytes else "")
@@ -317,7 +336,7 @@ def build_plan_report(args: argparse.Namespace) -> PlanReport:
             f"blocks ({fmt_bytes(plan.bytes_per_request)}) but only {plan.num_blocks} fit{residual}; the largest "
             f"length that fits is {plan.max_fitting_len} tokens. Lower --max-model-len, give the cache more memory, "
             f"{fixes}, or raise --tensor-parallel-size")
-    auto_tokens = next((row.num_tokens for row in table if row.kv_cache_dtype == "auto"), None)
+    auto_tokens = next((row.num_tokens for row in report.table if row.kv_cache_dtype == "auto"), None)
     if plan.reserved_bytes and auto_tokens is not None and plan.num_tokens < auto_tokens:
         report.warnings.append(
             f"--kv-cache-dtype {args.kv_cache_dtype} holds {plan.num_tokens} tokens in this budget, fewer than "
@@ -363,6 +382,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mean-context-len", type=int, default=None, help="expected mean prompt+output tokens per request")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when --max-model-len cannot fit")
+    p.add_argument("--plot", metavar="PNG", help="draw max concurrency against --max-model-len for each KV dtype "
+                   "(the table's figures on a finer grid of lengths) into a PNG")
     p.set_defaults(func=run)
 
 
@@ -411,11 +432,22 @@ def run(args: argparse.Namespace) -> int:
             return 2
         args.model = args.model_pos
     try:
+        check_writable(args.plot, "--plot")
         report = build_plan_report(args)
     except ConfigError as e:
         print(f"kvserve plan: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(asdict(report), indent=2) if args.json else format_plan_report(report))
+    if args.plot:
+        from kvserve.tools.plan_plot import plot_plan
+        from kvserve.tools.plotting import PlotUnavailable
+        try:
+            plot_plan(report, args.plot, max_num_seqs=args.max_num_seqs)
+        except PlotUnavailable as e:
+            print(f"kvserve plan: {e}", file=sys.stderr)
+            return 1
+        if not args.json:
+            print(f"plot: {args.plot}")
     return 1 if (args.strict and report.fatal) else 0
 
 

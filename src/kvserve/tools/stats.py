@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +39,7 @@ class StatsError(RuntimeError):
 class Scrape:
     time: float                       # monotonic seconds
     samples: dict[str, list[float]]  # sample name -> one value per label set
+    tiers: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # sample name -> tier -> one value per label set
 
 
 def metrics_url(url: str) -> str:
@@ -48,11 +50,20 @@ def metrics_url(url: str) -> str:
 
 
 def parse_metrics(text: str) -> dict[str, list[float]]:
+    return parse_scrape(text)[0]
+
+
+def parse_scrape(text: str) -> tuple[dict[str, list[float]], dict[str, dict[str, list[float]]]]:
+    """Values by sample name, and those with a `tier` label (kvserve's offload tiers) by tier too
+    (several values where several engines report: data-parallel replicas)."""
     out: dict[str, list[float]] = {}
+    tiers: dict[str, dict[str, list[float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out.setdefault(s.name, []).append(float(s.value))
-    return out
+            if "tier" in s.labels:
+                tiers.setdefault(s.name, {}).setdefault(s.labels["tier"], []).append(float(s.value))
+    return out, tiers
 
 
 def scrape(url: str, timeout: float) -> Scrape:
@@ -65,7 +76,7 @@ def scrape(url: str, timeout: float) -> Scrape:
         reason = getattr(e, "reason", e)
         raise StatsError(f"cannot reach {url} ({reason}); is the server running and --url right?") from None
     try:
-        return Scrape(time.monotonic(), parse_metrics(text))
+        return Scrape(time.monotonic(), *parse_scrape(text))
     except ValueError as e:
         raise StatsError(f"{url} did not return Prometheus text ({e})") from None
 
@@ -116,11 +127,11 @@ class StatsReport:
     verdicts: list[Verdict] = field(default_factory=list)
 
 
-def _series(scrapes: list[Scrape], name: str, combine=sum) -> list[float]:
+def series_values(scrapes: list[Scrape], name: str, combine=sum) -> list[float]:
     return [combine(s.samples[name]) for s in scrapes if s.samples.get(name)]
 
 
-def _mean(values: list[float]) -> float:
+def mean_of(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
@@ -128,10 +139,10 @@ def summarize(url: str, scrapes: list[Scrape], failed: int = 0, shared_prefix: b
     window = scrapes[-1].time - scrapes[0].time if len(scrapes) > 1 else 0.0
     usage_name = next((n for n in KV_USAGE if any(n in s.samples for s in scrapes)), None)
     # Several label sets (e.g. one per engine under data parallelism): usage is a fraction, so average.
-    usage = series_stats(_series(scrapes, usage_name, _mean)) if usage_name else None
+    usage = series_stats(series_values(scrapes, usage_name, mean_of)) if usage_name else None
     hit_rate = source = queries = None
     for hits_name, queries_name in PREFIX_COUNTERS:
-        hits, qs = _series(scrapes, hits_name), _series(scrapes, queries_name)
+        hits, qs = series_values(scrapes, hits_name), series_values(scrapes, queries_name)
         if hits and qs and len(hits) == len(qs):
             queries = counter_increase(qs)
             if queries > 0:
@@ -139,16 +150,16 @@ def summarize(url: str, scrapes: list[Scrape], failed: int = 0, shared_prefix: b
             elif qs[-1] > 0:
                 hit_rate, source = hits[-1] / qs[-1], "since start"
             break
-    if hit_rate is None and (gauge := _series(scrapes, PREFIX_HIT_RATE_GAUGE, _mean)):
-        hit_rate, source = _mean(gauge), "gauge"
-    pre = _series(scrapes, PREEMPTIONS)
+    if hit_rate is None and (gauge := series_values(scrapes, PREFIX_HIT_RATE_GAUGE, mean_of)):
+        hit_rate, source = mean_of(gauge), "gauge"
+    pre = series_values(scrapes, PREEMPTIONS)
     pre_inc = counter_increase(pre) if pre else None
     report = StatsReport(
         url=url, samples=len(scrapes), failed_samples=failed, window_s=window, kv_usage_metric=usage_name,
         kv_usage=usage, prefix_hit_rate=hit_rate, prefix_hit_rate_source=source, prefix_queries_in_window=queries,
         preemptions_in_window=pre_inc,
         preemptions_per_min=(pre_inc * 60 / window) if (pre_inc is not None and window > 0) else None,
-        running=series_stats(_series(scrapes, RUNNING)), waiting=series_stats(_series(scrapes, WAITING)))
+        running=series_stats(series_values(scrapes, RUNNING)), waiting=series_stats(series_values(scrapes, WAITING)))
     report.verdicts = verdicts(report, shared_prefix)
     return report
 
@@ -185,25 +196,39 @@ def verdicts(r: StatsReport, shared_prefix: bool) -> list[Verdict]:
     return out
 
 
-def sample(url: str, samples: int, interval: float, timeout: float, progress: bool = False) -> tuple[list[Scrape], int]:
-    """Scrape `samples` times, `interval` seconds apart. A failing first scrape aborts (wrong URL);
-    later failures are counted and skipped (a busy server may miss one)."""
-    scrapes, failed = [], 0
+MAX_KEPT_SCRAPES = 3600  # --samples 0 runs until Ctrl-C; the window is then the last hour at 1 s
+
+
+def sample(url: str, samples: int, interval: float, timeout: float, progress: bool = False,
+           on_scrape=None) -> tuple[list[Scrape], int]:
+    """Scrape `samples` times (0: until Ctrl-C), `interval` seconds apart. A failing first scrape
+    aborts (wrong URL); later failures are counted and skipped (a busy server may miss one).
+    `on_scrape(scrapes, failed, i)` runs after each attempt (the live view)."""
+    scrapes: deque[Scrape] = deque(maxlen=MAX_KEPT_SCRAPES)
+    failed = 0
     start = time.monotonic()
-    for i in range(samples):
-        try:
-            scrapes.append(scrape(url, timeout))
-        except StatsError:
-            if not scrapes:
-                raise
-            failed += 1
-        if progress:
-            print(f"\rsampling {url}: {i + 1}/{samples}", end="", file=sys.stderr, flush=True)
-        if i < samples - 1:
-            time.sleep(max(0.0, start + (i + 1) * interval - time.monotonic()))
+    i = 0
+    try:
+        while samples == 0 or i < samples:
+            try:
+                scrapes.append(scrape(url, timeout))
+            except StatsError:
+                if not scrapes:
+                    raise
+                failed += 1
+            if progress:
+                print(f"\rsampling {url}: {i + 1}/{samples or 'until Ctrl-C'}", end="", file=sys.stderr, flush=True)
+            if on_scrape is not None:
+                on_scrape(list(scrapes), failed, i)
+            i += 1
+            if samples == 0 or i < samples:
+                time.sleep(max(0.0, start + i * interval - time.monotonic()))
+    except KeyboardInterrupt:
+        if not scrapes:
+            raise
     if progress:
         print(file=sys.stderr)
-    return scrapes, failed
+    return list(scrapes), failed
 
 
 def _fmt(s: SeriesStats | None, pct: bool) -> str:
@@ -234,30 +259,43 @@ def add_parser(subparsers) -> None:
                                           "hit rate, preemptions and queue depth, with verdicts.")
     p.add_argument("--url", default="http://127.0.0.1:8000",
                    help="server base URL (/metrics is added; default: %(default)s, kvserve serve's own)")
-    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--samples", type=int, default=10, help="scrapes to take (0: until Ctrl-C)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for one scrape")
     p.add_argument("--shared-prefix", action="store_true",
                    help="the workload shares prompt prefixes: a hit rate under 50%% becomes a warning")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-live", action="store_true", help="no live view on a terminal: the plain report only "
+                   "(what a pipe or file gets anyway)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any verdict is a warning")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.samples < 1 or args.interval < 0 or args.timeout <= 0:
-        print(f"kvserve stats: error: need --samples >= 1, --interval >= 0 and --timeout > 0 (got {args.samples}, "
-              f"{args.interval}, {args.timeout})", file=sys.stderr)
+    if args.samples < 0 or args.interval < 0 or args.timeout <= 0:
+        print(f"kvserve stats: error: need --samples >= 0 (0: until Ctrl-C), --interval >= 0 and --timeout > 0 "
+              f"(got {args.samples}, {args.interval}, {args.timeout})", file=sys.stderr)
         return 2
     url = metrics_url(args.url)
+    # A terminal gets the live view; a pipe or file keeps the plain report, line for line.
+    live = not args.json and not args.no_live and sys.stdout.isatty()
     try:
-        scrapes, failed = sample(url, args.samples, args.interval, args.timeout,
-                                 progress=not args.json and sys.stderr.isatty())
+        if live:
+            from kvserve.tools.stats_live import sample_live
+            scrapes, failed = sample_live(url, args.samples, args.interval, args.timeout)
+        else:
+            scrapes, failed = sample(url, args.samples, args.interval, args.timeout,
+                                     progress=not args.json and sys.stderr.isatty())
     except StatsError as e:
         print(f"kvserve stats: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     report = summarize(url, scrapes, failed, args.shared_prefix)
-    print(json.dumps(asdict(report), indent=2) if args.json else format_report(report))
+    if args.json:
+        print(json.dumps(asdict(report), indent=2))
+    else:
+        print(format_report(report))
     return 1 if args.strict and any(v.level == "warn" for v in report.verdicts) else 0
 
 
