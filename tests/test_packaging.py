@@ -49,7 +49,9 @@ def test_a_compiler_that_fails_is_an_error_that_quotes_it(tmp_path):
     cc.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "broken-g++ 1.0"; exit 0; fi\n'
                   'echo "broken-g++: internal compiler error: simulated" >&2; exit 1\n')
     cc.chmod(0o755)
-    env = {**os.environ, "CXX": str(cc), "KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    src = str(Path(__file__).resolve().parents[1] / "src")  # the checkout's code, never an installed copy
+    env = {**os.environ, "CXX": str(cc), "KVSERVE_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     out = subprocess.run([sys.executable, "-m", "kvserve", "generate", "hi", "--max-tokens", "1"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stderr[-2000:]

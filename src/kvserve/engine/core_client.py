@@ -213,7 +213,13 @@ class MPClient:
                                            f"before it was ready; its log lines above say why")
         kind, value = pickle.loads(self._outbox.recv())
         if kind == FAILED:
-            self.proc.wait(10)
+            # The process exits by itself after sending why; on a loaded machine it may not within
+            # the wait, and then the reason must still reach the user and no orphan stay behind.
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
             raise value
         return value
 
