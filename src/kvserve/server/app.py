@@ -28,6 +28,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError
 from kvserve.server.serving import OpenAIServing, ServingConfig
 from kvserve.server.sse import sse_event
+from kvserve.server.worker_api import add_worker_routes
 from kvserve.version import __version__
 
 logger = logging.getLogger("kvserve.server")
@@ -380,6 +381,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
             raise APIError(f"tokens must be in [0, {vocab}); got {bad[:5]}", param="tokens")
         return P.DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
 
+    add_worker_routes(app, llm, serving, tenant)
     if dashboard is not None:
         from kvserve.server.dashboard import add_dashboard
         add_dashboard(app, llm, dashboard, tenant, serving.tokenizer)

@@ -114,6 +114,10 @@ UNSUPPORTED_PARAMS = {
 }
 # Their values that mean "not used" besides null / false / empty (clients that send every default).
 OFF_VALUES = {"length_penalty": 1.0, "modalities": ["text"], "response_format": {"type": "text"}}
+# What vllm-router (SGLang's gateway) adds to every body it forwards, at these values: they ask for
+# what kvserve does anyway, so they are taken silently rather than logged as ignored on each request.
+GATEWAY_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "separate_reasoning": True,
+                    "stream_reasoning": True, "include_reasoning": True}
 # /v1/completions: OpenAI chat fields that would constrain or route the output there too.
 COMPLETION_REFUSED = {
     "response_format": "structured output (JSON mode, JSON schema) is not implemented; only plain text is generated",

@@ -167,7 +167,7 @@ class OpenAIServing:
             if why is not None:
                 if not _is_off(value) and value != P.OFF_VALUES.get(name, None):
                     raise APIError(f"{name} is not supported by kvserve: {why}; remove it", param=name)
-            else:
+            elif name not in P.GATEWAY_DEFAULTS or P.GATEWAY_DEFAULTS[name] != value:
                 ignored.append(name)
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", sorted(ignored))
