@@ -139,6 +139,7 @@ class AsyncLLM:
         self.max_logprobs: int = info["max_logprobs"]
         self.sampling_defaults: dict = info["sampling_defaults"]
         self.latest_stats = info["stats"]
+        self.kv_fingerprint: str | None = info.get("kv_fingerprint")
         self.token_text = engine.token_text if engine is not None else token_text_cache(self.tokenizer)
         self.step_listeners: list[StepListener] = list(step_listeners or [])
         self._lock = threading.Lock()  # _streams and _calls: the event loop, the client thread, timers

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "RequestError", "RequestOutput", "CompletionOutput", "EngineStats"]
 
 
+KV_EXPORT_SECONDS = 10  # a prefill server's wait for its prompt blocks to reach Redis
 SHUTDOWN_WRITE_SECONDS = 60  # the write-back's limit, its queueing included (KVOffloader.persist)
 
 
@@ -109,6 +110,7 @@ class LLMEngine:
         # A token's own text: logprobs' decoded_token, the server's /tokenize token strings.
         self.token_text = token_text_cache(self.tokenizer)
         self.kv_tiers, self.kv_offloader = None, None
+        self.kv_export_blocks, self.kv_export_seconds = 0, 0.0  # disaggregated prefill's writes
         if args.has_kv_tiers:
             if setup.fingerprint is None:
                 raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
@@ -378,6 +380,10 @@ class LLMEngine:
         before = {e.request.request_id: e.request.num_output_tokens for e in sched.scheduled
                   if e.spec_token_ids}
         touched = self.scheduler.update_from_output(sched, result)
+        exports = [r for r in touched if r.is_finished and (r.sampling_params.kv_transfer_params or {}).get(
+            "do_remote_decode")]
+        if exports and self.kv_offloader is not None:
+            self._export_kv(exports)
         if self.args.check_integrity:
             self.kv.check_integrity()
         now = time.monotonic()
@@ -406,6 +412,19 @@ class LLMEngine:
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
         self.last_step_progress = [self._progress(g) for g in groups.values()]
         return [self._make_output(g) for g in groups.values() if self._due(g)]
+
+    def _export_kv(self, reqs: list) -> None:
+        """Disaggregated prefill: the finished prompts' full blocks are written to the lower tiers
+        (Redis) before their final output leaves, so the decode server the router calls next
+        finds them; they otherwise only go down on eviction. The step waits for the writes."""
+        start = time.perf_counter()
+        blocks = [b for r in reqs for b in self.kv.prompt_blocks(r)]
+        self.kv_offloader.persist(blocks, timeout=KV_EXPORT_SECONDS)
+        if not self.kv_tiers.flush(KV_EXPORT_SECONDS):
+            logger.warning("kv transfer: the Redis writes of %d prompt blocks did not finish within %d s; "
+                           "the decode server will recompute what it does not find", len(blocks), KV_EXPORT_SECONDS)
+        self.kv_export_blocks += len(blocks)
+        self.kv_export_seconds += time.perf_counter() - start
 
     def _due(self, group: _Group) -> bool:
         """Whether this step's output of the group is sent: a final-only request's when it ends; a

@@ -335,6 +335,20 @@ class KVCacheManager:
         return [BlockOffload(b.block_id, b.block_hash, tuple(b.token_ids)) for b in self.pool.blocks
                 if b.block_hash is not None]
 
+    def prompt_blocks(self, req: Request) -> list[BlockOffload]:
+        """The full blocks of `req`'s prompt the pool still holds under their chain hashes, in order
+        up to the first one it does not: what a prefill server hands to the transfer layer."""
+        bs = self.block_size
+        root = self._roots.get(req.request_id) or root_hash(self.kv_cache_dtype, req.cache_salt, req.lora_id)
+        hashes = extend_block_hashes(list(req.block_hashes), root, req.prompt_token_ids, bs)
+        out = []
+        for i in range(len(req.prompt_token_ids) // bs):
+            block = self._cached(req.prompt_token_ids, hashes, i)
+            if block is None:
+                break
+            out.append(BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids)))
+        return out
+
     def _on_evict(self, block: Block) -> None:
         if block.block_hash is not None:  # only full blocks have a chain hash to be found by
             self._offloads.append(BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids)))

@@ -218,6 +218,9 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
     """dashboard: a DashboardSeries (server/dashboard.py) listening to the steps, or None for no
     GET /dashboard."""
     serving = OpenAIServing(llm, config)
+    if llm.args.kv_transfer_config is not None:
+        from kvserve.server.kv_transfer import KVTransfer
+        serving.kv_transfer = KVTransfer(llm, metrics.registry)
     serving.register_startup_adapters()
 
     @asynccontextmanager
