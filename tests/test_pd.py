@@ -120,6 +120,8 @@ def test_vllm_router_pd_mode_gives_one_servers_tokens_and_the_decode_reads_the_k
         assert producer.metric("kvserve:kv_transfer_requests_total", role="producer", outcome="sent") == 2
         assert consumer.metric("kvserve:prefix_cache_hits_by_tier_total", tier="redis") >= 2 * 16 * 16
         assert consumer.metric("kvserve:kv_transfer_recomputed_tokens_total") == 0
+        for s in (producer, consumer):  # no blocks leaked on either side
+            wait_until(lambda: s.metric("kvserve:kv_blocks_used") == 0, 30, 0.2, "blocks to be free")
     finally:
         terminate(router)
         os.unlink(log.name)

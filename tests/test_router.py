@@ -155,6 +155,8 @@ def test_a_server_killed_mid_run_leaves_the_other_serving(servers, router):
     # the router marks the dead server down and keeps serving through the other
     after = wait_until(lambda: _served(router, prompts[0]), 30, 0.5, "the router to serve through the survivor")
     assert after["choices"][0]["text"] == expected[prompts[0]]
+    # the retried requests leaked no blocks on the survivor
+    wait_until(lambda: survivor.metric("kvserve:kv_blocks_used") == 0, 30, 0.2, "the survivor's blocks to be free")
 
 
 def _served(router: str, prompt: str):
