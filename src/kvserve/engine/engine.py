@@ -111,6 +111,8 @@ class LLMEngine:
         self.token_text = token_text_cache(self.tokenizer)
         self.kv_tiers, self.kv_offloader = None, None
         self.kv_export_blocks, self.kv_export_seconds = 0, 0.0  # disaggregated prefill's writes
+        self._loading: dict[str, tuple] = {}  # disaggregated decode: request id -> (req, keys, read)
+        self._kv_loader = None
         if args.has_kv_tiers:
             if setup.fingerprint is None:
                 raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
@@ -236,8 +238,39 @@ class LLMEngine:
         for s in seqs:
             self._seq_of[s.req.request_id] = s
             self._group_of[s.req.request_id] = group
-            self.scheduler.add_request(s.req)
+            if not self._load_remote_kv(s.req):
+                self.scheduler.add_request(s.req)
         self.prompt_tokens_total += len(prompt_ids)
+
+    def _load_remote_kv(self, req: Request) -> bool:
+        """Disaggregated decode: a request whose prompt a prefill server computed waits outside the
+        scheduler while a thread reads its KV from the tiers, so the running decodes' steps do not
+        wait on Redis (vLLM's WAITING_FOR_REMOTE_KVS). Only without a host tier, which the engine
+        thread alone may touch. True when the read was started."""
+        chain = self.kv_tiers
+        if chain is None or chain.host is not None or not (req.sampling_params.kv_transfer_params or {}).get(
+                "do_remote_prefill"):
+            return False
+        keys, tokens = self.kv.tier_keys(req)
+        if not keys:
+            return False
+        if self._kv_loader is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._kv_loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-load")
+        self._loading[req.request_id] = (req, keys, self._kv_loader.submit(chain.fetch, keys, tokens))
+        return True
+
+    def _admit_loaded(self) -> None:
+        """Requests whose KV read ended go to the scheduler, the blocks read waiting for their lookup."""
+        for rid, (req, keys, future) in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[rid]
+            try:
+                self.kv.preload(req, keys, tuple(future.result()))
+            except Exception:  # the lookup reads the tiers itself (or computes the prompt)
+                logger.exception("kv transfer: reading request %s's KV ahead failed", rid)
+            self.scheduler.add_request(req)
 
     def _kv_compression_default(self, args: EngineArgs):
         """--kv-compression, parsed and checked against this model and context length."""
@@ -329,7 +362,10 @@ class LLMEngine:
             if group is None:
                 continue
             for s in group.seqs:
-                if not s.req.is_finished:
+                if self._loading.pop(s.req.request_id, None) is not None:  # never reached the scheduler
+                    s.req.status = RequestStatus.FINISHED_ABORTED
+                    self.kv.forget(s.req)
+                elif not s.req.is_finished:
                     self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
             ended.append(self._make_output(group))  # every sequence finished: the group leaves
         return ended
@@ -363,6 +399,11 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.last_step_progress = []
+        if self._loading:
+            if len(self._loading) == len(self._seq_of):  # nothing else to run: wait for a read, not spin
+                from concurrent.futures import FIRST_COMPLETED, wait
+                wait([f for _, _, f in self._loading.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+            self._admit_loaded()
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for entry in sched.scheduled:
