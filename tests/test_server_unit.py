@@ -57,7 +57,6 @@ def test_server_defaults():
     (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
     (["--quantization", "awq"], "invalid choice: 'awq'"),
     (["--max-loras", "many"], "invalid int value: 'many'"),
-    (["--kv-transfer-config", "{}"], "disaggregated prefill"),
     (["--speculative-config", "[4]"], "a JSON object"),
     (["--kv-cache-memory", "lots"], "cannot parse 'lots'"),
     (["--kv-cache-dtype", "fp4"], "invalid choice"),
@@ -67,6 +66,11 @@ def test_unimplemented_or_bad_flags_are_refused(argv, needle, capsys):
         parse("serve", *argv)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_kv_transfer_config_errors_name_the_key_at_start_up():
+    with pytest.raises(ConfigError, match="kv_connector None is not available"):
+        engine_args_from(parse("serve", "--kv-transfer-config", "{}"))
 
 
 def test_tensor_parallel_size_one_is_accepted():

@@ -127,7 +127,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             kwargs["type"] = _vllm_int(auto=f.name == "max_model_len")
         elif f.name in ("override_generation_config", "speculative_config", "kv_compression"):
             kwargs["type"] = _json_object
-        elif f.name == "kv_events_config":
+        elif f.name in ("kv_events_config", "kv_transfer_config"):
             kwargs["type"] = str  # parsed by EngineArgs.validate, whose errors name the key
         elif f.name in ("served_model_name", "lora_modules"):
             kwargs["nargs"] = "+"

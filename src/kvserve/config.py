@@ -241,6 +241,66 @@ def parse_kv_events_config(value: dict | str | None) -> KVEventsConfig | None:
 QUANTIZATIONS = (None, "gguf", "none")
 
 
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """--kv-transfer-config, parsed: vLLM's KVTransferConfig keys (the ones kvserve acts on)."""
+    kv_connector: str
+    kv_role: str  # kv_producer: prefills and leaves the KV below; kv_consumer: decodes from it; kv_both
+    engine_id: str | None = None
+    kv_connector_extra_config: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+# kvserve moves KV through its shared Redis tier (--kv-redis-url); vLLM's connectors need their own
+# transfer libraries and engines on the other side.
+KV_CONNECTORS = ("RedisConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# vLLM's KVTransferConfig keys kvserve accepts and has nothing to do with (buffers, ranks and
+# addresses of the connectors it does not have).
+_KV_TRANSFER_INERT = ("kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip", "kv_port",
+                      "kv_connector_module_path", "enable_permute_local_kv")
+
+
+def parse_kv_transfer_config(value: dict | str | None) -> KVTransferConfig | None:
+    """vLLM's --kv-transfer-config (a JSON object or a dict) -> KVTransferConfig; None when unset."""
+    value = _json_object(value, "--kv-transfer-config", '{"kv_connector": "RedisConnector", "kv_role": "kv_both"}')
+    if value is None:
+        return None
+    known = ("kv_connector", "kv_role", "engine_id", "kv_connector_extra_config", "kv_load_failure_policy",
+             *_KV_TRANSFER_INERT)
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ConfigError(f"--kv-transfer-config: unknown key {', '.join(unknown)}; the keys are "
+                          f"{', '.join(known)} (vLLM's KVTransferConfig)")
+    connector = value.get("kv_connector")
+    if connector not in KV_CONNECTORS:
+        raise ConfigError(f"--kv-transfer-config kv_connector {connector!r} is not available in kvserve, which "
+                          f"moves KV through its shared Redis tier: use \"kv_connector\": \"RedisConnector\" "
+                          f"with --kv-redis-url")
+    role = value.get("kv_role")
+    if role not in KV_ROLES:
+        raise ConfigError(f"--kv-transfer-config kv_role must be one of {', '.join(KV_ROLES)} (got {role!r})")
+    policy = value.get("kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise ConfigError(f"--kv-transfer-config kv_load_failure_policy {policy!r}: kvserve recomputes a prompt "
+                          f"whose KV it cannot load (\"recompute\", vLLM's default); drop the key")
+    engine_id = value.get("engine_id")
+    if engine_id is not None and not isinstance(engine_id, str):
+        raise ConfigError(f"--kv-transfer-config engine_id must be a string (got {engine_id!r})")
+    extra = value.get("kv_connector_extra_config")
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict):
+        raise ConfigError(f"--kv-transfer-config kv_connector_extra_config must be a JSON object (got {extra!r})")
+    return KVTransferConfig(connector, role, engine_id, extra)
+
+
 def _arg(default: Any, help: str, group: str, choices: tuple | None = None) -> Any:
     """An EngineArgs field: its --help text, group and choices are what the CLI shows and what
     docs/serving.md is generated from, so they live here and nowhere else."""
@@ -319,6 +379,12 @@ class EngineArgs:
         None, "JSON object, vLLM's KVEventsConfig: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
               "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
               "publishes every block the cache stores and drops, in every tier, for a KV-aware router", "KV cache")
+    kv_transfer_config: dict | str | None = _arg(
+        None, "JSON object, vLLM's KVTransferConfig: '{\"kv_connector\": \"RedisConnector\", \"kv_role\": "
+              "\"kv_producer\"}' makes this server a prefill server of disaggregated prefill/decode "
+              "(\"kv_consumer\": a decode server; \"kv_both\": either), driven by vllm-router's "
+              "--vllm-pd-disaggregation with vLLM's kv_transfer_params; the KV moves through --kv-redis-url",
+        "KV offload tiers")
     kv_compression: dict | str | None = _arg(
         None, "JSON object: the KV compression of requests that set no kv_compression of their own, e.g. "
               "'{\"method\": \"streaming\", \"sink_tokens\": 4, \"window\": 1024}' (attention sinks + recent "
@@ -367,6 +433,11 @@ class EngineArgs:
     def kv_events(self) -> KVEventsConfig | None:
         """The parsed --kv-events-config, or None."""
         return parse_kv_events_config(self.kv_events_config)
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The parsed --kv-transfer-config, or None."""
+        return parse_kv_transfer_config(self.kv_transfer_config)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -429,6 +500,9 @@ class EngineArgs:
             raise ConfigError(f"--data-parallel-size must be >= 1 (got {self.data_parallel_size})")
         self.speculative  # raises ConfigError on a malformed --speculative-config
         self.kv_events  # and on a malformed --kv-events-config
+        if self.kv_transfer is not None and self.kv_redis_url is None:
+            raise ConfigError("--kv-transfer-config RedisConnector moves KV through the shared Redis tier: add "
+                              "--kv-redis-url redis://host:port/db, the same on the prefill and decode servers")
         self._validate_tiers()
         self._validate_lora()
 

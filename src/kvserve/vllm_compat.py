@@ -7,7 +7,6 @@ CLI's errors and `LLM(**kwargs)` say about them (config.py checks them, cli.py t
 VLLM_REFUSED = {
     "tensor_parallel_size": ("1", "kvserve runs one device per process; tensor parallelism is not implemented"),
     "pipeline_parallel_size": ("1", "pipeline parallelism is not implemented"),
-    "kv_transfer_config": (None, "KV transfer / disaggregated prefill is not implemented"),
     "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
     "load_format": (("auto", "safetensors", "gguf"), "only safetensors directories and GGUF files are loaded, "
                                                      "told apart by the path"),

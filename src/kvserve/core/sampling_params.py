@@ -55,6 +55,9 @@ class SamplingParams:
     # Release KV blocks as the sequence grows (core/kv_compression.py): a dict such as
     # {"method": "streaming", "sink_tokens": 4, "window": 1024}, made a KVCompression here.
     kv_compression: KVCompression | dict | None = None
+    # Disaggregated prefill (vLLM's kv_transfer_params; vLLM carries them in extra_args): a request
+    # with do_remote_decode leaves its prompt's KV in the transfer layer when it finishes.
+    kv_transfer_params: dict | None = None
     # vLLM fields kvserve does not implement: accepted at their "off" value, refused otherwise
     # (a script that sets one must not get output that silently ignored it).
     best_of: int | None = None

@@ -141,6 +141,7 @@ class AsyncLLM:
         self.sampling_defaults: dict = info["sampling_defaults"]
         stats = info["stats"]  # a list, one per replica, from a data-parallel client
         self.stats_by_rank: list = list(stats) if isinstance(stats, list) else [stats]
+        self.kv_fingerprint: str | None = info.get("kv_fingerprint")
         self.token_text = engine.token_text if engine is not None else token_text_cache(self.tokenizer)
         self.step_listeners: list[StepListener] = list(step_listeners or [])
         self._lock = threading.Lock()  # _streams and _calls: the event loop, the client thread, timers

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "RequestError", "RequestOutput", "CompletionOutput", "EngineStats"]
 
 
+KV_EXPORT_SECONDS = 10  # a prefill server's wait for its prompt blocks to reach Redis
 SHUTDOWN_WRITE_SECONDS = 60  # the write-back's limit, its queueing included (KVOffloader.persist)
 
 
@@ -109,6 +110,9 @@ class LLMEngine:
         # A token's own text: logprobs' decoded_token, the server's /tokenize token strings.
         self.token_text = token_text_cache(self.tokenizer)
         self.kv_tiers, self.kv_offloader = None, None
+        self.kv_export_blocks, self.kv_export_seconds = 0, 0.0  # disaggregated prefill's writes
+        self._loading: dict[str, tuple] = {}  # disaggregated decode: request id -> (req, keys, read)
+        self._kv_loader = None
         if args.has_kv_tiers:
             if setup.fingerprint is None:
                 raise ConfigError("KV offload tiers need the engine fingerprint: build the setup with "
@@ -236,8 +240,39 @@ class LLMEngine:
         for s in seqs:
             self._seq_of[s.req.request_id] = s
             self._group_of[s.req.request_id] = group
-            self.scheduler.add_request(s.req)
+            if not self._load_remote_kv(s.req):
+                self.scheduler.add_request(s.req)
         self.prompt_tokens_total += len(prompt_ids)
+
+    def _load_remote_kv(self, req: Request) -> bool:
+        """Disaggregated decode: a request whose prompt a prefill server computed waits outside the
+        scheduler while a thread reads its KV from the tiers, so the running decodes' steps do not
+        wait on Redis (vLLM's WAITING_FOR_REMOTE_KVS). Only without a host tier, which the engine
+        thread alone may touch. True when the read was started."""
+        chain = self.kv_tiers
+        if chain is None or chain.host is not None or not (req.sampling_params.kv_transfer_params or {}).get(
+                "do_remote_prefill"):
+            return False
+        keys, tokens = self.kv.tier_keys(req)
+        if not keys:
+            return False
+        if self._kv_loader is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._kv_loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-load")
+        self._loading[req.request_id] = (req, keys, self._kv_loader.submit(chain.fetch, keys, tokens))
+        return True
+
+    def _admit_loaded(self) -> None:
+        """Requests whose KV read ended go to the scheduler, the blocks read waiting for their lookup."""
+        for rid, (req, keys, future) in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[rid]
+            try:
+                self.kv.preload(req, keys, tuple(future.result()))
+            except Exception:  # the lookup reads the tiers itself (or computes the prompt)
+                logger.exception("kv transfer: reading request %s's KV ahead failed", rid)
+            self.scheduler.add_request(req)
 
     def _kv_compression_default(self, args: EngineArgs):
         """--kv-compression, parsed and checked against this model and context length."""
@@ -329,7 +364,10 @@ class LLMEngine:
             if group is None:
                 continue
             for s in group.seqs:
-                if not s.req.is_finished:
+                if self._loading.pop(s.req.request_id, None) is not None:  # never reached the scheduler
+                    s.req.status = RequestStatus.FINISHED_ABORTED
+                    self.kv.forget(s.req)
+                elif not s.req.is_finished:
                     self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
             ended.append(self._make_output(group))  # every sequence finished: the group leaves
         return ended
@@ -363,6 +401,11 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.last_step_progress = []
+        if self._loading:
+            if len(self._loading) == len(self._seq_of):  # nothing else to run: wait for a read, not spin
+                from concurrent.futures import FIRST_COMPLETED, wait
+                wait([f for _, _, f in self._loading.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+            self._admit_loaded()
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for entry in sched.scheduled:
@@ -380,6 +423,10 @@ class LLMEngine:
         before = {e.request.request_id: e.request.num_output_tokens for e in sched.scheduled
                   if e.spec_token_ids}
         touched = self.scheduler.update_from_output(sched, result)
+        exports = [r for r in touched if r.is_finished and (r.sampling_params.kv_transfer_params or {}).get(
+            "do_remote_decode")]
+        if exports and self.kv_offloader is not None:
+            self._export_kv(exports)
         if self.args.check_integrity:
             self.kv.check_integrity()
         now = time.monotonic()
@@ -408,6 +455,19 @@ class LLMEngine:
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
         self.last_step_progress = [self._progress(g) for g in groups.values()]
         return [self._make_output(g) for g in groups.values() if self._due(g)]
+
+    def _export_kv(self, reqs: list) -> None:
+        """Disaggregated prefill: the finished prompts' full blocks are written to the lower tiers
+        (Redis) before their final output leaves, so the decode server the router calls next
+        finds them; they otherwise only go down on eviction. The step waits for the writes."""
+        start = time.perf_counter()
+        blocks = [b for r in reqs for b in self.kv.prompt_blocks(r)]
+        self.kv_offloader.persist(blocks, timeout=KV_EXPORT_SECONDS)
+        if not self.kv_tiers.flush(KV_EXPORT_SECONDS):
+            logger.warning("kv transfer: the Redis writes of %d prompt blocks did not finish within %d s; "
+                           "the decode server will recompute what it does not find", len(blocks), KV_EXPORT_SECONDS)
+        self.kv_export_blocks += len(blocks)
+        self.kv_export_seconds += time.perf_counter() - start
 
     def _due(self, group: _Group) -> bool:
         """Whether this step's output of the group is sent: a final-only request's when it ends; a

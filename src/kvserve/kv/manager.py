@@ -335,6 +335,38 @@ class KVCacheManager:
         return [BlockOffload(b.block_id, b.block_hash, tuple(b.token_ids)) for b in self.pool.blocks
                 if b.block_hash is not None]
 
+    def prompt_blocks(self, req: Request) -> list[BlockOffload]:
+        """The full blocks of `req`'s prompt the pool still holds under their chain hashes, in order
+        up to the first one it does not: what a prefill server hands to the transfer layer."""
+        bs = self.block_size
+        root = self._roots.get(req.request_id) or root_hash(self.kv_cache_dtype, req.cache_salt, req.lora_id)
+        hashes = extend_block_hashes(list(req.block_hashes), root, req.prompt_token_ids, bs)
+        out = []
+        for i in range(len(req.prompt_token_ids) // bs):
+            block = self._cached(req.prompt_token_ids, hashes, i)
+            if block is None:
+                break
+            out.append(BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids)))
+        return out
+
+    def tier_keys(self, req: Request) -> tuple[tuple[bytes, ...], list[list[int]]]:
+        """The keys (and tokens) a tier lookup for `req` would read now: its full blocks after those
+        the pool holds, as get_computed_blocks asks; empty where it would ask none (sliding window,
+        no caching). For reading them ahead, off the step (`preload`)."""
+        if not self.enable_caching or req.skip_prefix_cache or self.sliding_window or self.tiers is None:
+            return (), []
+        bs, tokens = self.block_size, req.all_token_ids
+        hashes = extend_block_hashes(req.block_hashes, self._root(req), tokens, bs)
+        first, stop = len(self._plain_hit(tokens, hashes, (req.num_tokens - 1) // bs)), (req.num_tokens - 1) // bs
+        return tuple(hashes[first:stop]), self._by_block(tokens, first, stop)
+
+    def preload(self, req: Request, keys: tuple[bytes, ...], fetched: tuple) -> None:
+        """What a read ahead of `keys` found: the request's tier lookup takes it if it asks the same."""
+        self._tier_memo[req.request_id] = (keys, fetched)
+        self._tier_memo.move_to_end(req.request_id)
+        while len(self._tier_memo) > _TIER_MEMO_SIZE:
+            self._tier_memo.popitem(last=False)
+
     def _on_evict(self, block: Block) -> None:
         if block.block_hash is not None:  # only full blocks have a chain hash to be found by
             self._offloads.append(BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids)))

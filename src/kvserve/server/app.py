@@ -27,6 +27,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError
 from kvserve.server.serving import OpenAIServing, ServingConfig
 from kvserve.server.sse import EventStreamResponse, sse_event
+from kvserve.server.worker_api import add_worker_routes
 from kvserve.version import __version__
 
 logger = logging.getLogger("kvserve.server")
@@ -189,6 +190,9 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
     """dashboard: a DashboardSeries (server/dashboard.py) listening to the steps, or None for no
     GET /dashboard."""
     serving = OpenAIServing(llm, config)
+    if llm.args.kv_transfer_config is not None:
+        from kvserve.server.kv_transfer import KVTransfer
+        serving.kv_transfer = KVTransfer(llm, metrics.registry)
     serving.register_startup_adapters()
 
     @asynccontextmanager
@@ -351,6 +355,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
             raise APIError(f"tokens must be in [0, {vocab}); got {bad[:5]}", param="tokens")
         return P.DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
 
+    add_worker_routes(app, llm, serving, tenant)
     if dashboard is not None:
         from kvserve.server.dashboard import add_dashboard
         add_dashboard(app, llm, dashboard, tenant, serving.tokenizer)

@@ -85,6 +85,8 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
     # kvserve's: KV compression of this request (core/kv_compression.py), checked by SamplingParams
     kv_compression: dict | None = None
+    # vLLM's disaggregated prefill/decode handshake (server/kv_transfer.py)
+    kv_transfer_params: dict | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -108,12 +110,16 @@ UNSUPPORTED_PARAMS = {
                     "token masks and logits processors are not implemented"),
     **dict.fromkeys(("chat_template", "documents"), "the model's own chat template is always used"),
     **dict.fromkeys(("mm_processor_kwargs", "prompt_embeds", "multi_modal_data"), "only text models are served"),
-    **dict.fromkeys(("kv_transfer_params", "vllm_xargs", "return_tokens_as_token_ids", "return_token_ids",
+    **dict.fromkeys(("vllm_xargs", "return_tokens_as_token_ids", "return_token_ids",
                      "functions", "function_call", "audio", "modalities", "prediction",
                      "web_search_options"), "not implemented by kvserve"),
 }
 # Their values that mean "not used" besides null / false / empty (clients that send every default).
 OFF_VALUES = {"length_penalty": 1.0, "modalities": ["text"], "response_format": {"type": "text"}}
+# What vllm-router (SGLang's gateway) adds to every body it forwards, at these values: they ask for
+# what kvserve does anyway, so they are taken silently rather than logged as ignored on each request.
+GATEWAY_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "separate_reasoning": True,
+                    "stream_reasoning": True, "include_reasoning": True}
 # /v1/completions: OpenAI chat fields that would constrain or route the output there too.
 COMPLETION_REFUSED = {
     "response_format": "structured output (JSON mode, JSON schema) is not implemented; only plain text is generated",

@@ -82,6 +82,7 @@ class OpenAIServing:
         self.loras: dict[str, LoRARequest] = {}  # served adapters by name
         self._lora_ids = itertools.count(1)
         self.token_text = llm.token_text
+        self.kv_transfer = None  # KVTransfer (kv_transfer.py) when --kv-transfer-config is set: build_app's
         # Tokenizing (and rendering chat templates) runs here, off the event loop: a 10 MB prompt
         # takes seconds to tokenize, during which /health and every stream must keep answering.
         # The tokenizers library releases the GIL while it encodes.
@@ -167,7 +168,7 @@ class OpenAIServing:
             if why is not None:
                 if not _is_off(value) and value != P.OFF_VALUES.get(name, None):
                     raise APIError(f"{name} is not supported by kvserve: {why}; remove it", param=name)
-            else:
+            elif name not in P.GATEWAY_DEFAULTS or P.GATEWAY_DEFAULTS[name] != value:
                 ignored.append(name)
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", sorted(ignored))
@@ -337,9 +338,11 @@ class OpenAIServing:
         scored = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if req.echo else None
         params = [self._sampling_params(req, self._check_length(len(p), max_tokens, "prompt"), req.logprobs,
                                         prompt_logprobs=scored) for p in prompts]
-        admitted = await self._admit(prompts, params, req, cache_salt, "cmpl")
+        transfer = self.kv_transfer.plan(req, len(prompts)) if self.kv_transfer else None
+        admitted = await self._admit(prompts, self.kv_transfer.sampling(transfer, params, req) if transfer else params,
+                                     req, cache_salt, "cmpl")
         if req.stream:
-            return self._stream_completion(req, admitted, echoes)
+            return self._stream_completion(req, admitted, echoes, transfer)
         finals = await self._collect(admitted)
         choices = []
         for i, out in enumerate(finals):
@@ -349,11 +352,19 @@ class OpenAIServing:
                     index=i * req.n + o.index, text=text, finish_reason=o.finish_reason,
                     stop_reason=o.stop_reason, logprobs=self._completion_logprobs(ids, lps, req.logprobs, 0),
                     prompt_logprobs=self._prompt_logprobs(out)))
-        return P.CompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
-                                    usage=self._usage(finals)).model_dump()
+        response = P.CompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
+                                        usage=self._usage(finals)).model_dump()
+        return self._with_transfer(response, transfer, finals)
+
+    def _with_transfer(self, response: dict, transfer, finals: list) -> dict:
+        """vLLM's kv_transfer_params in a prefill server's response (kv_transfer.py)."""
+        params = self.kv_transfer.finish(transfer, finals) if transfer else None
+        if params is not None:
+            response["kv_transfer_params"] = params
+        return response
 
     async def _stream_completion(self, req: P.CompletionRequest, admitted: _Admitted,
-                                 echoes: list[str]) -> AsyncIterator[str]:
+                                 echoes: list[str], transfer=None) -> AsyncIterator[str]:
         try:
             created = int(time.time())  # one timestamp for the whole stream, as vLLM
             finals: dict[int, object] = {}
@@ -390,6 +401,8 @@ class OpenAIServing:
             if include_usage:
                 yield sse_event(P.CompletionChunk(id=admitted.request_id, created=created, model=self._served_name(req), choices=[],
                                              usage=self._usage(list(finals.values()))).model_dump())
+            if transfer:
+                self.kv_transfer.finish(transfer, list(finals.values()))
             yield "data: [DONE]\n\n"
         finally:
             admitted.abort()  # idempotent; covers a client that leaves between chunks
@@ -431,21 +444,24 @@ class OpenAIServing:
         ids = self._truncated(await self.off_loop(self.chat_prompt, req), req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_length(len(ids), requested, "messages")
-        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                       prompt_logprobs=req.prompt_logprobs)
-        admitted = await self._admit([ids], [params], req, cache_salt, "chatcmpl")
+        params = [self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                        prompt_logprobs=req.prompt_logprobs)]
+        transfer = self.kv_transfer.plan(req, 1) if self.kv_transfer else None
+        admitted = await self._admit([ids], self.kv_transfer.sampling(transfer, params, req) if transfer else params,
+                                     req, cache_salt, "chatcmpl")
         if req.stream:
-            return self._stream_chat(req, admitted, len(ids))
+            return self._stream_chat(req, admitted, len(ids), transfer)
         out = (await self._collect(admitted))[0]
         choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(role=self.config.response_role, content=o.text),
                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                 logprobs=self._chat_logprobs(o.token_ids, o.logprobs, req.top_logprobs))
                    for o in out.outputs]
-        return P.ChatCompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
-                                        usage=self._usage([out]), prompt_logprobs=self._prompt_logprobs(out)).model_dump()
+        response = P.ChatCompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
+                                            usage=self._usage([out]), prompt_logprobs=self._prompt_logprobs(out))
+        return self._with_transfer(response.model_dump(), transfer, [out])
 
     async def _stream_chat(self, req: P.ChatCompletionRequest, admitted: _Admitted,
-                           prompt_len: int) -> AsyncIterator[str]:
+                           prompt_len: int, transfer=None) -> AsyncIterator[str]:
         try:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -481,6 +497,8 @@ class OpenAIServing:
             if include_usage and last is not None:
                 yield sse_event(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                                  usage=self._usage([last])).model_dump())
+            if transfer:
+                self.kv_transfer.finish(transfer, [last])
             yield "data: [DONE]\n\n"
         finally:
             admitted.abort()  # idempotent; covers a client that leaves between chunks

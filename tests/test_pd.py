@@ -1,0 +1,214 @@
+"""Disaggregated prefill/decode: --kv-transfer-config parsed as vLLM's KVTransferConfig (start-up
+errors naming the bad key or connector), and vLLM's kv_transfer_params handshake as vllm-router's
+--vllm-pd-disaggregation drives it, between a kvserve prefill server and a kvserve decode server
+sharing a real Redis: the same greedy tokens as one server, the KV read rather than computed, and a
+decode server that cannot use the KV (another engine's fingerprint, entries gone) computing the
+prompt itself, counted, with the same tokens."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+import httpx
+import pytest
+from helpers import free_port, terminate, wait_until
+from server_util import SMALL, start_server
+
+from kvserve.config import ConfigError, EngineArgs, parse_kv_transfer_config
+
+
+@pytest.mark.parametrize("value, match", [
+    ('{"kv_connector": "RedisConnector"', "not valid JSON"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "kv_connector 'NixlConnector' is not available"),
+    ('{"kv_role": "kv_both"}', "kv_connector None is not available"),
+    ('{"kv_connector": "RedisConnector", "kv_role": "kv_decoder"}', "kv_role must be one of"),
+    ('{"kv_connector": "RedisConnector", "kv_role": "kv_both", "kv_rol": 1}', "unknown key kv_rol"),
+    ('{"kv_connector": "RedisConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}',
+     "kv_load_failure_policy 'fail'"),
+    ('{"kv_connector": "RedisConnector", "kv_role": "kv_both", "kv_connector_extra_config": []}',
+     "kv_connector_extra_config must be a JSON object"),
+])
+def test_bad_kv_transfer_configs_name_the_key(value, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_kv_transfer_config(value)
+
+
+def test_kv_transfer_config_takes_vllms_keys_and_needs_the_redis_tier():
+    config = parse_kv_transfer_config({"kv_connector": "RedisConnector", "kv_role": "kv_producer", "kv_rank": 0,
+                                       "kv_parallel_size": 2, "kv_buffer_device": "cpu", "engine_id": "p0"})
+    assert config.is_producer and not config.is_consumer and config.engine_id == "p0"
+    assert parse_kv_transfer_config('{"kv_connector": "RedisConnector", "kv_role": "kv_both"}').is_consumer
+    with pytest.raises(ConfigError, match="add --kv-redis-url"):
+        EngineArgs(kv_transfer_config='{"kv_connector": "RedisConnector", "kv_role": "kv_both"}').validate()
+
+
+ARGS = [*SMALL, "--disable-log-stats", "--block-size", "16"]
+PROMPTS = [" ".join(f"{word}{i}" for i in range(120)) for word in ("alpha", "omega", "delta", "sigma")]
+
+
+def role(name: str) -> list[str]:
+    return ["--kv-transfer-config", json.dumps({"kv_connector": "RedisConnector", "kv_role": name})]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny):
+    from redis_server import RedisServer
+    with RedisServer() as redis:
+        tier = ["--kv-redis-url", redis.url]
+        started = []
+        try:
+            started.append(start_server(tiny, *ARGS, *tier, *role("kv_producer")))
+            started.append(start_server(tiny, *ARGS, *tier, *role("kv_consumer")))
+            yield redis, started[0], started[1]
+        finally:
+            for s in started:
+                s.stop()
+
+
+def complete(url: str, prompt: str, n: int = 12, **extra) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                     "ignore_eos": True, **extra}, timeout=60)
+
+
+def prefill(producer, prompt: str) -> dict:
+    """The router's first call: one token on the prefill server, the KV left in Redis."""
+    r = complete(producer.url, prompt, 1, min_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None})
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+@pytest.mark.slow
+def test_vllm_router_pd_mode_gives_one_servers_tokens_and_the_decode_reads_the_kv(pd):
+    redis, producer, consumer = pd
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="vllm-router-pd-", suffix=".log", delete=False)
+    router = subprocess.Popen(
+        [shutil.which("vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+         "--prefill", producer.url, "--decode", consumer.url, "--policy", "round_robin",
+         "--prometheus-port", str(free_port()), "--worker-startup-timeout-secs", "60",
+         "--worker-startup-check-interval", "1", "--request-timeout-secs", "60"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            assert router.poll() is None, open(log.name).read()[-3000:]
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(ready, 60, 0.2, "vllm-router in PD mode")
+        prompt = PROMPTS[0]
+        expected = complete(producer.url, prompt).json()["choices"][0]["text"]  # one server, no handshake
+        through = complete(url, prompt)
+        assert through.status_code == 200, through.text
+        assert through.json()["choices"][0]["text"] == expected
+        chat = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        alone = httpx.post(f"{producer.url}/v1/chat/completions", json=chat, timeout=60).json()
+        routed = httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
+        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in routed.text.splitlines()
+                       if line.startswith("data: {") and json.loads(line[6:])["choices"])
+        assert text == alone["choices"][0]["message"]["content"]
+        # the decode server read both prompts' KV rather than computing it
+        assert consumer.metric("kvserve:kv_transfer_requests_total", role="consumer", outcome="loaded") == 2, [
+            (k, v) for k, v in consumer.metrics().items() if "kv_transfer" in k or "by_tier" in k]
+        assert producer.metric("kvserve:kv_transfer_requests_total", role="producer", outcome="sent") == 2
+        assert consumer.metric("kvserve:prefix_cache_hits_by_tier_total", tier="redis") >= 2 * 16 * 16
+        assert consumer.metric("kvserve:kv_transfer_recomputed_tokens_total") == 0
+        for s in (producer, consumer):  # no blocks leaked on either side
+            wait_until(lambda: s.metric("kvserve:kv_blocks_used") == 0, 30, 0.2, "blocks to be free")
+    finally:
+        terminate(router)
+        os.unlink(log.name)
+
+
+@pytest.mark.slow
+def test_a_decode_server_refuses_another_models_kv_and_recomputes(pd, tmp_path_factory):
+    from tiny_models import make_tiny_model
+    redis, producer, consumer = pd
+    other_model = make_tiny_model(tmp_path_factory.mktemp("other"), kind="llama_gqa", seed=1)
+    other = start_server(str(other_model), *ARGS, "--kv-redis-url", redis.url, *role("kv_producer"))
+    try:
+        params = prefill(other, PROMPTS[2])  # its KV, in the same Redis, under its own fingerprint
+    finally:
+        other.stop()
+    assert params["do_remote_prefill"] is True and params["remote_num_tokens"] > 0
+    r = complete(consumer.url, PROMPTS[2], kv_transfer_params=params)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == complete(producer.url, PROMPTS[2]).json()["choices"][0]["text"]
+    assert consumer.metric("kvserve:kv_transfer_requests_total", role="consumer", outcome="refused") == 1
+    assert consumer.metric("kvserve:kv_transfer_recomputed_tokens_total") >= params["remote_num_tokens"] - 16
+    assert "is not this engine's" in consumer.log()
+
+
+@pytest.mark.slow
+def test_a_decode_server_that_finds_no_kv_recomputes_the_prompt(pd):
+    redis, producer, consumer = pd
+    params = prefill(producer, PROMPTS[3])
+    import redis as redis_client
+    redis_client.Redis.from_url(redis.url).flushall()  # evicted (or the producer's Redis gone) before the decode
+    before = consumer.metric("kvserve:kv_transfer_recomputed_tokens_total")
+    r = complete(consumer.url, PROMPTS[3], kv_transfer_params=params)  # the router's second call
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == complete(producer.url, PROMPTS[3]).json()["choices"][0]["text"]
+    assert consumer.metric("kvserve:kv_transfer_requests_total", role="consumer", outcome="recomputed") == 1
+    assert consumer.metric("kvserve:kv_transfer_recomputed_tokens_total") - before >= params["remote_num_tokens"] - 16
+
+
+@pytest.mark.slow
+def test_handshake_errors_name_the_field(pd):
+    _, producer, consumer = pd
+    wrong_role = complete(consumer.url, "hi", kv_transfer_params={"do_remote_decode": True})
+    assert wrong_role.status_code == 400 and "kv_role is kv_consumer" in wrong_role.json()["error"]["message"]
+    bad = complete(consumer.url, "hi", kv_transfer_params={"do_remote_prefill": True, "remote_num_tokens": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer_params.remote_num_tokens"
+    streamed = complete(producer.url, "hi", stream=True, kv_transfer_params={"do_remote_decode": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+
+
+@pytest.mark.slow
+def test_the_decode_side_reads_remote_kv_off_the_step_and_aborts_cleanly(tiny, redis_server):
+    import threading
+
+    from helpers import greedy, rand_prompts
+
+    from kvserve import LLM
+    engine = LLM(tiny, dtype="float32", block_size=16, max_model_len=512, kv_redis_url=redis_server.url,
+                 kv_transfer_config={"kv_connector": "RedisConnector", "kv_role": "kv_both"}).llm_engine
+    prompt = rand_prompts(3, [200], 1000)[0]
+
+    def run(rid, **transfer):
+        engine.add_request(rid, prompt, greedy(6, kv_transfer_params=transfer or None))
+        outs = []
+        for _ in range(200):
+            outs += [o for o in engine.step() if o.finished]
+            if not engine.has_unfinished_requests():
+                return outs[-1]
+        raise AssertionError("did not finish")
+
+    alone = run("plain")
+    assert engine.reset_prefix_cache()
+    run("prefill", do_remote_decode=True)  # the prompt's blocks written to Redis
+    assert engine.reset_prefix_cache()  # the device copy gone: the decode must read Redis
+    readers = []
+    fetch = engine.kv_tiers.fetch
+    engine.kv_tiers.fetch = lambda *a, **k: readers.append(threading.current_thread().name) or fetch(*a, **k)
+    decoded = run("decode", do_remote_prefill=True)
+    assert decoded.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert decoded.num_cached_tokens == 192  # 12 blocks; the 13th holds the last prompt token
+    assert readers and all(name.startswith("kvserve-kv-load") for name in readers), readers
+    # aborted while its read is in flight: nothing is left behind, the read's result is dropped
+    assert engine.reset_prefix_cache()
+    engine.add_request("gone", prompt, greedy(6, kv_transfer_params={"do_remote_prefill": True}))
+    assert "gone" in engine._loading
+    engine.abort_request("gone")
+    assert not engine.has_unfinished_requests() and not engine._loading
+    for _ in range(3):
+        engine.step()
+    engine.kv.check_integrity()
+    assert not engine.scheduler.has_unfinished_requests()
