@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 from helpers import closed_port, greedy
@@ -206,7 +207,9 @@ def test_an_engine_never_closed_writes_its_blocks_at_exit(tiny, ref, tmp_path):
     script = (f"from kvserve import LLM, SamplingParams\n"
               f"llm = LLM({path!r}, **{SMALL!r}, **{disk!r})\n"
               f"llm.generate([{prompt!r}], SamplingParams(temperature=0, max_tokens={GEN}), use_tqdm=False)\n")
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    src = str(Path(__file__).resolve().parents[1] / "src")  # the checkout's code, never an installed copy
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, env=env)
     second = LLM(path, **SMALL, **disk)
     try:
         out = second.generate([prompt], greedy(GEN), use_tqdm=False)[0]
