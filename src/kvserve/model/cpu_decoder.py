@@ -17,20 +17,22 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvserve.model.linear import Linear
-from kvserve.ops.cpu_kernels import load_library
+from kvserve.ops.cpu_kernels import load_library, lora_gemm_for
 
 if TYPE_CHECKING:
     from kvserve.attention.cpu import VarlenPlan
     from kvserve.model.llama import LlamaModel
+    from kvserve.model.lora import LoRASlots, LoRAStep
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 class ProjectionC(ctypes.Structure):  # decoder_bf16.cpp's Projection
-    _fields_ = [("gemm", _P), ("weight", _P)]
+    _fields_ = [("gemm", _P), ("weight", _P), ("lora_gemm", _P)]
 
 
 class LayerC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLayer
@@ -38,12 +40,20 @@ class LayerC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLayer
         (name, _P) for name in ("input_norm", "post_attn_norm", "k_cache", "v_cache")]
 
 
+class LoRAC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLoRA
+    _fields_ = [("shrink", _P), ("a", _P * 4), ("b", _P * 4), ("a_stride", _I64 * 4), ("b_stride", _I64 * 4),
+                ("block", _I64 * 4), ("panel_koff", _P * 4), ("rank", _I64), ("num_slots", _I64)]
+
+
+_GROUPS = ("qkv", "o", "gate_up", "down")  # DecoderLoRA's order
+
+
 class ModelC(ctypes.Structure):  # decoder_bf16.cpp's DecoderModel
     _fields_ = [("attention", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("num_layers", _INT),
                 ("final_norm", _P), ("hidden", _I64), ("inter", _I64), ("hq", _INT), ("hkv", _INT),
                 ("head_dim", _INT), ("qkv_epilogue", _INT), ("gate_up_epilogue", _INT), ("eps", _F),
-                ("scale", _F), ("window", _I64)]
+                ("scale", _F), ("window", _I64), ("lora", ctypes.POINTER(LoRAC))]
 
 
 class StepC(ctypes.Structure):  # decoder_bf16.cpp's DecoderStep
@@ -51,7 +61,8 @@ class StepC(ctypes.Structure):  # decoder_bf16.cpp's DecoderStep
                 ("cos", _P), ("sin_signed", _P), ("slots", _P), ("n", _INT), ("q_start", _P), ("q_len", _P),
                 ("block_tables", _P), ("bt_stride", _I64), ("seq_lens", _P), ("block_size", _INT),
                 ("ngroups", _INT), ("group_start", _P), ("group_members", _P), ("group_prefix", _P),
-                ("out_rows", _P), ("n_out", _I64)]
+                ("out_rows", _P), ("n_out", _I64), ("nseg", _INT), ("seg", _P), ("row_slot", _P),
+                ("nseg_out", _INT), ("seg_out", _P), ("row_slot_out", _P), ("lora_s", _P * 4)]
 
 
 def _address(fn) -> int:
@@ -84,7 +95,8 @@ class CompiledDecoder:
         layers = model.layers
 
         def projection(lin: Linear) -> ProjectionC:  # its kernel: bf16 panels, or GGUF codes
-            return ProjectionC(_address(lin.gemm[0]), lin.gemm[1].data_ptr())
+            twin = lora_gemm_for(lin.gemm[0])
+            return ProjectionC(_address(lin.gemm[0]), lin.gemm[1].data_ptr(), _address(twin) if twin else None)
 
         self._layers = (LayerC * len(layers))(*(
             LayerC(*(projection(lin) for lin in L.projections().values()), L.input_norm.data_ptr(),
@@ -102,14 +114,30 @@ class CompiledDecoder:
             window=attn.sliding_window or 0)
         self.block_size = block_size
         self._run = load_library().run_decoder_bf16
+        # the projections' kernels all have a LoRA twin (AMX), so LoRA steps can run here
+        self.takes_lora = all(p.lora_gemm for L in self._layers for p in (L.qkv, L.o, L.gate_up, L.down))
         self.q_size = c.num_attention_heads * c.head_dim
         self.qkv_size = self.q_size + 2 * c.num_key_value_heads * c.head_dim
+        self._lora_c: tuple[LoRASlots, LoRAC] | None = None
+
+    def _lora(self, slots: LoRASlots) -> LoRAC:
+        """The packed adapter slots as decoder_bf16.cpp reads them (built once per LoRASlots)."""
+        if self._lora_c is None or self._lora_c[0] is not slots:
+            per_slot = {g: (slots.pa[g].shape[2], slots.pb[g].shape[2]) for g in _GROUPS}
+            c = LoRAC(_address(slots.kernels.grouped), (_P * 4)(*(slots.pa[g].data_ptr() for g in _GROUPS)),
+                      (_P * 4)(*(slots.pb[g].data_ptr() for g in _GROUPS)),
+                      (_I64 * 4)(*(per_slot[g][0] for g in _GROUPS)), (_I64 * 4)(*(per_slot[g][1] for g in _GROUPS)),
+                      (_I64 * 4)(*(slots.block(g) for g in _GROUPS)),
+                      (_P * 4)(*(slots.panel_koff[g].data_ptr() for g in _GROUPS)), slots.rank, slots.num_slots)
+            self._lora_c = (slots, c)
+        return self._lora_c[1]
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slot_mapping: torch.Tensor,
-                plan: VarlenPlan, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                plan: VarlenPlan, out_rows: torch.Tensor | None = None, lora: LoRAStep | None = None) -> torch.Tensor:
         """h: the embedded tokens `[T, hidden]` (the residual stream, updated in place); cos and
         sin_signed `[T, 1, head_dim]` (`LlamaModel.rope_cos_sin`); slot_mapping `[T]` int64; the
-        step's varlen arguments; out_rows: strictly ascending int64 row indices, or None (all).
+        step's varlen arguments; out_rows: strictly ascending int64 row indices, or None (all);
+        lora: the step's rows with an adapter, over packed slots (model/lora.py).
         Returns the final-normed hidden states of those rows, `[len(out_rows) or T, hidden]`."""
         t, m = h.shape[0], self.model
         x = torch.empty_like(h)
@@ -125,7 +153,22 @@ class CompiledDecoder:
                      plan.block_tables.shape[1], plan.seq_lens.data_ptr(), self.block_size, g.num_groups,
                      g.start.ctypes.data, g.members.ctypes.data, g.prefix_len.ctypes.data,
                      None if out_rows is None else out_rows.data_ptr(), t if out_rows is None else out_rows.numel())
+        m.lora = None
+        keep = []  # the step's LoRA arrays, alive until the call returns
+        if lora is not None:
+            slots = lora.slots
+            m.lora = ctypes.pointer(self._lora(slots))
+            seg, rows = lora.batch.absolute(), lora.row_slots(t)
+            kept = lora.restrict(out_rows, pad=False) if out_rows is not None else None
+            seg_out = kept.batch.absolute() if kept is not None else np.zeros((0, 3), dtype=np.int64)
+            rows_out = kept.row_slots(out_rows.numel()) if kept is not None else np.full(t, -1, dtype=np.int32)
+            s_bufs = [torch.zeros(t, slots.num_slots * slots.block(g), dtype=h.dtype) for g in _GROUPS]
+            keep = [seg, rows, seg_out, rows_out, s_bufs]
+            step.nseg, step.seg, step.row_slot = len(seg), seg.ctypes.data, rows.ctypes.data
+            step.nseg_out, step.seg_out, step.row_slot_out = len(seg_out), seg_out.ctypes.data, rows_out.ctypes.data
+            step.lora_s = (_P * 4)(*(b.data_ptr() for b in s_bufs))
         rc = self._run(ctypes.byref(m), ctypes.byref(step))
+        del keep
         if rc != 0:
             raise RuntimeError(f"run_decoder_bf16: the attention kernel has no instance for block size "
                                f"{self.block_size} in this build (code {rc})")

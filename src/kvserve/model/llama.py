@@ -159,16 +159,19 @@ class LlamaModel:
         projection and MLP then run on those rows alone. A prompt chunk's other rows feed nothing
         there (their K and V, all that later tokens read, come from the q/k/v projection), so a
         prefill step skips 1/num_layers of its o and MLP work; the rows kept are unchanged.
-        `lora`: the step's rows that run with an adapter (model/lora.py); such a step takes the
-        Python loop, which adds their deltas to the projections before the rotary and SiLU passes."""
+        `lora`: the step's rows that run with an adapter (model/lora.py), whose deltas are added to
+        the projections before the rotary and SiLU passes: inside the compiled layer loop's
+        products where the slots are packed for it, else in the Python loop."""
         c = self.config
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
-        decoder = self.compiled_decoder(kv_cache) if not attn_metadata.score_seqs and lora is None else None
+        decoder = self.compiled_decoder(kv_cache) if not attn_metadata.score_seqs else None
+        if lora is not None and decoder is not None and not (lora.packed and decoder.takes_lora):
+            decoder = None
         if decoder is not None:
             return decoder.forward(h, cos, sin, attn_metadata.slot_mapping, self.attn.varlen_plan(attn_metadata),
-                                   out_rows)
+                                   out_rows, lora)
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         ops, eps = self.ops, c.rms_norm_eps
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
