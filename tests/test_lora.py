@@ -102,6 +102,33 @@ def test_adapter_replaced_under_the_same_name_never_hits_the_old_blocks(tiny, hf
     assert llm.generate(prompt, greedy(GEN), lora_request=req, use_tqdm=False)[0].num_cached_tokens == 39
 
 
+def test_adapter_blocks_on_the_disk_tier_serve_a_restart_only_with_the_same_files(tiny, hf, adapters, tmp_path):
+    """The disk tier's blocks are keyed by the adapter's digest: a restarted engine with the same
+    adapter files hits them; with other files under the same name and path, none."""
+    x = tmp_path / "x"
+    shutil.copytree(adapters["a"], x)
+    opts = dict(dtype="float32", enable_lora=True, max_lora_rank=8, block_size=16, kv_cache_memory=32 * 2**20,
+                kv_disk_path=str(tmp_path / "kv"))
+    req = LoRARequest("x", 1, str(x))
+
+    def once():
+        llm = LLM(tiny, **opts)
+        try:
+            return llm.generate(prompt, greedy(GEN), lora_request=req, use_tqdm=False)[0]
+        finally:
+            llm.engine.close()  # writes the pool's blocks down to the disk tier
+    prompt = rand_prompts(15, [40], 1000)[0]
+    old = once()
+    assert old.num_cached_tokens == 0
+    again = once()
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == old.outputs[0].token_ids  # its 2 whole blocks
+    shutil.rmtree(x)
+    shutil.copytree(adapters["b"], x)  # same name, id and path: other weights
+    new = once()
+    assert new.num_cached_tokens == 0
+    assert [old.outputs[0].token_ids, new.outputs[0].token_ids] == reference(hf, adapters, [prompt] * 2, ["a", "b"])
+
+
 def test_zero_adapter_reproduces_the_base_model_bit_for_bit_in_bfloat16(tiny_d64, tmp_path):
     """bf16 on the compiled kernels: a LoRA step takes the Python loop with the projections'
     epilogues run apart (Linear.plain); with an adapter of zeros it must give the base tokens."""
