@@ -270,3 +270,15 @@ def test_smollm2_adapters_mixed_with_the_base_model_equal_peft(smollm2_hf, tmp_p
         base = [hf_greedy(select(None), p, 6) for p in prompts[:2]]
     assert [o.outputs[0].token_ids for o in outs] == expect
     assert expect[:2] != base  # the adapters change the output
+
+
+@pytest.mark.needs("cuda")
+def test_mixed_adapters_on_cuda_equal_peft(tiny, hf, adapters):
+    """CUDA runs the torch slots and per-segment GEMMs (no Triton kernel yet): a mixed batch's
+    float32 tokens equal PEFT's."""
+    llm = LLM(tiny, dtype="float32", device="cuda", enable_lora=True, max_loras=2, max_lora_rank=8,
+              kv_cache_memory=32 * 2**20, block_size=16)
+    prompts = rand_prompts(16, [20, 33, 9], llm.engine.model_config.vocab_size)
+    names = ["a", None, "b"]
+    outs = llm.generate(prompts, greedy(GEN), lora_request=[lora(n, adapters) for n in names], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference(hf, adapters, prompts, names)
