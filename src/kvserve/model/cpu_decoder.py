@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvserve.model.linear import Linear
+from kvserve.model.lora import GROUPS
 from kvserve.ops.cpu_kernels import load_library, lora_gemm_for
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ class LayerC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLayer
 
 class LoRAC(ctypes.Structure):  # decoder_bf16.cpp's DecoderLoRA
     _fields_ = [("shrink", _P), ("a", _P * 4), ("b", _P * 4), ("a_stride", _I64 * 4), ("b_stride", _I64 * 4),
-                ("block", _I64 * 4), ("panel_koff", _P * 4), ("rank", _I64), ("num_slots", _I64)]
+                ("block", _I64 * 4), ("parts", _I64 * 4), ("panel_koff", _P * 4), ("rank", _I64),
+                ("shrink_rows", _I64), ("num_slots", _I64)]
 
 
 _GROUPS = ("qkv", "o", "gate_up", "down")  # DecoderLoRA's order
@@ -127,8 +129,9 @@ class CompiledDecoder:
             c = LoRAC(_address(slots.kernels.grouped), (_P * 4)(*(slots.pa[g].data_ptr() for g in _GROUPS)),
                       (_P * 4)(*(slots.pb[g].data_ptr() for g in _GROUPS)),
                       (_I64 * 4)(*(per_slot[g][0] for g in _GROUPS)), (_I64 * 4)(*(per_slot[g][1] for g in _GROUPS)),
-                      (_I64 * 4)(*(slots.block(g) for g in _GROUPS)),
-                      (_P * 4)(*(slots.panel_koff[g].data_ptr() for g in _GROUPS)), slots.rank, slots.num_slots)
+                      (_I64 * 4)(*(slots.block(g) for g in _GROUPS)), (_I64 * 4)(*(len(GROUPS[g]) for g in _GROUPS)),
+                      (_P * 4)(*(slots.panel_koff[g].data_ptr() for g in _GROUPS)), slots.rank, slots.shrink_rows,
+                      slots.num_slots)
             self._lora_c = (slots, c)
         return self._lora_c[1]
 

@@ -77,10 +77,10 @@ def packing_kernels(cfg: ModelConfig, dtype: torch.dtype, lora_dtype: torch.dtyp
     return kernels
 
 
-def packed_rank(max_rank: int) -> tuple[int, int]:
-    """(k of B per panel, s columns per part): the rank made even (bf16 pairs), and rounded up to
-    a 32-k AMX step."""
-    return max_rank + max_rank % 2, -(-max_rank // 32) * 32
+def packed_rank(max_rank: int) -> tuple[int, int, int]:
+    """(k of B per panel, A rows per part, s columns per part): the rank made even (bf16 pairs),
+    rounded up to a 16-column panel (the shrink's N), and to a 32-k AMX step."""
+    return max_rank + max_rank % 2, -(-max_rank // 16) * 16, -(-max_rank // 32) * 32
 
 
 def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype, kernels=None) -> int:
@@ -89,8 +89,8 @@ def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype, kernels=None
     size = torch.empty(0, dtype=dtype).element_size()
     per_layer = sum(len(GROUPS[g]) * max_rank * (n_in + n_out) for g, (n_out, n_in) in group_shapes(cfg).items())
     if kernels is not None:
-        rank, block = packed_rank(max_rank)
-        per_layer += sum(len(GROUPS[g]) * block * n_in + n_out * rank + _B_PAD
+        rank, rows, _ = packed_rank(max_rank)
+        per_layer += sum(len(GROUPS[g]) * rows * n_in + n_out * rank + _B_PAD
                          for g, (n_out, n_in) in group_shapes(cfg).items())
     return per_layer * cfg.num_hidden_layers * size
 
@@ -218,8 +218,9 @@ class LoRASlots:
 
     With `kernels` (packing_kernels), also packed for the compiled layer loop
     (csrc/decoder_bf16.cpp, gemm_grouped.h's LoRAExt): per fused projection g, `pa[g]`
-    `[layers, S, block * in]`, each part's A at its own 32-aligned rows (the shrink writes each
-    part's rank columns and zeros up to the next part), and `pb[g]` `[layers, S, out * rank + pad]`:
+    `[layers, S, P * shrink_rows * in]`, each part's A a packed weight of its own (a shrink per part
+    writes its rank columns at a 32-aligned offset of the row's block of s; the zeros between stay
+    from the start of the step), and `pb[g]` `[layers, S, out * rank + pad]`:
     for each 16-column panel of the projection's packed output order (its epilogue's), only its
     part's B rows, `rank` k each; `panel_koff[g]` says which part's columns of s a panel reads.
     A delta then costs its adapter's exact B bytes, added inside the base product before its
@@ -246,12 +247,12 @@ class LoRASlots:
         self.pb: dict[str, torch.Tensor] = {}
         self.panel_koff: dict[str, torch.Tensor] = {}
         self.packed_orders: dict[str, torch.Tensor] = orders
-        self.rank, self.part_cols = packed_rank(max_rank)
+        self.rank, self.shrink_rows, self.part_cols = packed_rank(max_rank)
         if kernels is None:
             return
         for g, (n_out, n_in) in group_shapes(cfg).items():
             parts = GROUPS[g]
-            self.pa[g] = torch.zeros(cfg.num_hidden_layers, num_slots, len(parts) * self.part_cols * n_in, dtype=dtype)
+            self.pa[g] = torch.zeros(cfg.num_hidden_layers, num_slots, len(parts) * self.shrink_rows * n_in, dtype=dtype)
             self.pb[g] = torch.zeros(cfg.num_hidden_layers, num_slots, n_out * self.rank + _B_PAD, dtype=dtype)
             order = orders.get(g)
             cols = order if order is not None else torch.arange(n_out)
@@ -303,16 +304,18 @@ class LoRASlots:
 
     def _pack(self, layer: int, slot: int, group: str, adapter: LoRAAdapter) -> None:
         n_out, n_in = sum(self.shapes[m][0] for m in GROUPS[group]), self.shapes[GROUPS[group][0]][1]
-        w = self.part_cols
-        a = torch.zeros(len(GROUPS[group]) * w, n_in, dtype=self.dtype)
+        rows = self.shrink_rows
+        a = torch.zeros(len(GROUPS[group]), rows, n_in, dtype=self.dtype)  # each part's own packed weight
         b = torch.zeros(n_out, self.rank, dtype=self.dtype)  # each output's own part's B row
         for p, row, wa, wb in self._parts(layer, group, adapter):
-            a[p * w:p * w + wa.shape[0]].copy_(wa)
+            a[p, :wa.shape[0]].copy_(wa)
             b[row:row + wb.shape[0], :wb.shape[1]].copy_(wb)
         order = self.packed_orders.get(group)
         if order is not None:
             b = b[order].contiguous()
-        self.kernels.pack(a.data_ptr(), a.shape[0], n_in, self.pa[group][layer, slot].data_ptr())
+        dst = self.pa[group][layer, slot].view(len(GROUPS[group]), rows * n_in)
+        for p in range(len(GROUPS[group])):
+            self.kernels.pack(a[p].data_ptr(), rows, n_in, dst[p].data_ptr())
         self.kernels.pack(b.data_ptr(), n_out, self.rank, self.pb[group][layer, slot].data_ptr())
 
 

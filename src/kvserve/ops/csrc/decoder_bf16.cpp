@@ -60,17 +60,18 @@ struct DecoderLayer {
 };
 
 // The LoRA adapter slots, packed (model/lora.py's LoRASlots), fixed at load (cpu_decoder.py's
-// LoRAC). For fused projection g (qkv, o, gate_up, down), layer l and slot j: the parts' A
-// stacked, each part's rank rounded up to 32 rows, as a packed weight [block[g], in] at
-// a[g] + (l * num_slots + j) * a_stride[g], whose product with x is the row's block of s; and B as
-// LoRAExt reads it at b[g] + l * num_slots * b_stride[g] (slot stride b_stride[g]).
+// LoRAC). For fused projection g (qkv, o, gate_up, down), layer l and slot j: each of its parts'
+// A (parts[g] of them) as a packed weight [shrink_rows, in] at a[g] + (l * num_slots + j) *
+// a_stride[g] + part * shrink_rows * in, whose product with x is that part's columns of the row's
+// block of s (block[g] / parts[g] apart); and B as LoRAExt reads it at b[g] + l * num_slots *
+// b_stride[g] (slot stride b_stride[g]).
 struct DecoderLoRA {
     GemmGroupedFn shrink;
     const uint16_t* a[4];
     const uint16_t* b[4];
-    int64_t a_stride[4], b_stride[4], block[4];
+    int64_t a_stride[4], b_stride[4], block[4], parts[4];
     const int32_t* panel_koff[4];
-    int64_t rank;
+    int64_t rank, shrink_rows;
     int64_t num_slots;
 };
 
@@ -135,18 +136,22 @@ namespace {
 LoRAExt lora_shrink(const DecoderModel* m, const DecoderStep* s, int l, int g, const int64_t* seg, int nseg,
                     const int32_t* row_slot, const uint16_t* x, int64_t K) {
     const DecoderLoRA& L = *m->lora;
-    const int64_t W = L.block[g], ld = L.num_slots * W;
+    const int64_t W = L.block[g], ld = L.num_slots * W, P = L.parts[g], R = L.shrink_rows;
     GemmProblem p[64];
-    for (int first = 0; first < nseg; first += 64) {
-        const int n = nseg - first < 64 ? nseg - first : 64;
-        for (int i = 0; i < n; ++i) {
-            const int64_t* sg = seg + 3 * (first + i);
-            const int64_t slot = sg[0], lo = sg[1];
-            p[i] = {x + lo * K, sg[2] - lo, K, L.a[g] + (l * L.num_slots + slot) * L.a_stride[g], W,
-                    s->lora_s[g] + lo * ld + slot * W, 0, nullptr, nullptr, 0, 0, ld};
+    int n = 0;
+    for (int i = 0; i < nseg; ++i) {
+        const int64_t* sg = seg + 3 * i;
+        const int64_t slot = sg[0], lo = sg[1];
+        for (int64_t part = 0; part < P; ++part) {
+            p[n++] = {x + lo * K, sg[2] - lo, K, L.a[g] + (l * L.num_slots + slot) * L.a_stride[g] + part * R * K, R,
+                      s->lora_s[g] + lo * ld + slot * W + part * (W / P), 0, nullptr, nullptr, 0, 0, ld};
+            if (n == 64) {
+                L.shrink(p, n);
+                n = 0;
+            }
         }
-        L.shrink(p, n);
     }
+    if (n) L.shrink(p, n);
     return {s->lora_s[g], ld, W, row_slot, L.b[g] + l * L.num_slots * L.b_stride[g], L.b_stride[g], L.rank,
             L.panel_koff[g]};
 }

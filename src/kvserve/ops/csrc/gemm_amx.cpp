@@ -109,7 +109,8 @@ inline void lora_steps(const Gemm& g, int64_t c, int mr, int64_t panel) {
 // the unit covers one half, which only a PLAIN epilogue allows).
 inline void finish_row(const Gemm& g, const float* sr, int64_t r, int64_t nb, int h0, int h1) {
     if (h1 - h0 == 1) {
-        for (int j = 0; j < 2; ++j)
+        const int panels = g.N - nb * 64 - 32 * h0 == 16 ? 1 : 2;  // N % 32 == 16: the last half is one panel
+        for (int j = 0; j < panels; ++j)
             store_bf16(g.y + r * g.e.ldy + nb * 64 + 32 * h0 + 16 * j, _mm512_load_ps(sr + 32 * h0 + 16 * j));
         return;
     }
@@ -137,7 +138,9 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
             // the first chunk's products, for every later chunk to reuse from L1.
             const bool codes = FMT != tiles::BF16;
             const uint16_t* pa = codes ? bbuf : (const uint16_t*)g.packed + panel * KP * 32;
-            const uint16_t* pb = codes ? bbuf + SLAB * 512 : pa + KP * 32;
+            // A lone last panel (a bf16 PLAIN product with N % 32 == 16) is read twice, its
+            // second copy's columns never stored.
+            const uint16_t* pb = codes ? bbuf + SLAB * 512 : g.N - panel * 16 == 16 ? pa : pa + KP * 32;
             const int64_t boff = codes ? kb0 : 0;
             // The thread's next half (panels + 2, + 3: this unit's second half, or its next unit's
             // first) is asked into L2 tile by tile as this half's tiles are expanded, so its first
@@ -235,7 +238,8 @@ inline Plan plan(const uint16_t* x, int64_t M, int64_t K, const void* packed, in
     // A PLAIN epilogue lets a unit be one 32-column half: the same traffic (each half streams A
     // and reads its own panels either way), and units that split evenly where groups are few and
     // odd (a decode's 9 groups of o_proj and down_proj left one thread idle a ninth of the time).
-    // It also allows N % 64 == 32 (a LoRA shrink to 32 rank columns): the last group's one half.
+    // It also allows N % 64 == 32 or 16 over bf16 panels (a LoRA shrink to 16 or 32 rank
+    // columns): the last group's one half, or one panel.
     p.parts = p.g.e.kind == PLAIN ? 2 : 1;
     p.groups = p.parts == 2 ? (N + 63) / 64 : N / 64;
     return p;
