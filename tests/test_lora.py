@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 from helpers import greedy, rand_prompts
 from hf_reference import hf_greedy, load_hf
 from lora_adapters import make_adapter, peft_reference
 
-from kvserve import LLM, LoRARequest
+from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.engine.outputs import RequestError
 
 GEN = 10
@@ -101,6 +102,33 @@ def test_adapter_replaced_under_the_same_name_never_hits_the_old_blocks(tiny, hf
     assert llm.generate(prompt, greedy(GEN), lora_request=req, use_tqdm=False)[0].num_cached_tokens == 39
 
 
+def test_adapter_blocks_on_the_disk_tier_serve_a_restart_only_with_the_same_files(tiny, hf, adapters, tmp_path):
+    """The disk tier's blocks are keyed by the adapter's digest: a restarted engine with the same
+    adapter files hits them; with other files under the same name and path, none."""
+    x = tmp_path / "x"
+    shutil.copytree(adapters["a"], x)
+    opts = dict(dtype="float32", enable_lora=True, max_lora_rank=8, block_size=16, kv_cache_memory=32 * 2**20,
+                kv_disk_path=str(tmp_path / "kv"))
+    req = LoRARequest("x", 1, str(x))
+
+    def once():
+        llm = LLM(tiny, **opts)
+        try:
+            return llm.generate(prompt, greedy(GEN), lora_request=req, use_tqdm=False)[0]
+        finally:
+            llm.engine.close()  # writes the pool's blocks down to the disk tier
+    prompt = rand_prompts(15, [40], 1000)[0]
+    old = once()
+    assert old.num_cached_tokens == 0
+    again = once()
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == old.outputs[0].token_ids  # its 2 whole blocks
+    shutil.rmtree(x)
+    shutil.copytree(adapters["b"], x)  # same name, id and path: other weights
+    new = once()
+    assert new.num_cached_tokens == 0
+    assert [old.outputs[0].token_ids, new.outputs[0].token_ids] == reference(hf, adapters, [prompt] * 2, ["a", "b"])
+
+
 def test_zero_adapter_reproduces_the_base_model_bit_for_bit_in_bfloat16(tiny_d64, tmp_path):
     """bf16 on the compiled kernels: a LoRA step takes the Python loop with the projections'
     epilogues run apart (Linear.plain); with an adapter of zeros it must give the base tokens."""
@@ -111,6 +139,55 @@ def test_zero_adapter_reproduces_the_base_model_bit_for_bit_in_bfloat16(tiny_d64
     llm.reset_prefix_cache()
     zeros = llm.generate(prompts, greedy(GEN), lora_request=LoRARequest("zero", 1, zero), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in zeros] == [o.outputs[0].token_ids for o in base]
+
+
+def test_compiled_layer_loop_adds_the_deltas_as_close_to_float32_as_the_python_loop(tiny_d64, tmp_path):
+    """bf16 with packed slots: a LoRA step stays in the compiled layer loop, which adds each
+    delta inside its projection (before rounding, where the Python loop adds a rounded delta to
+    a rounded output), through mixed batches, prefill chunks, the last layer's kept rows and slot
+    swaps. Its log-probs are as close to float32's as the Python loop's; base rows are unchanged."""
+    hf = load_hf(tiny_d64)
+    paths = {"a": make_adapter(hf, tmp_path / "a", r=8, seed=41, magnitude=2.0),
+             "b": make_adapter(hf, tmp_path / "b", r=3, seed=42, magnitude=2.0, targets=("q_proj", "v_proj", "up_proj")),
+             "c": make_adapter(hf, tmp_path / "c", r=16, seed=43, magnitude=2.0, targets=("k_proj", "o_proj", "down_proj"))}
+    names = ["a", None, "b", "c", "a", "b"]
+    reqs = [None if n is None else LoRARequest(n, "abc".index(n) + 1, paths[n]) for n in names]
+    prompts = rand_prompts(14, [30, 7, 64, 45, 12, 80], 1000)
+    opts = dict(enable_lora=True, max_loras=2, max_lora_rank=16, kv_cache_memory=32 * 2**20, max_num_batched_tokens=64,
+                block_size=16, enable_prefix_caching=False)
+
+    def run(llm):  # every prompt row's log-prob, and the first output token's top 5 (only kept rows)
+        scored = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
+                              lora_request=reqs, use_tqdm=False)
+        first = llm.generate(prompts, SamplingParams(max_tokens=1, logprobs=5, temperature=0), lora_request=reqs,
+                             use_tqdm=False)
+        return ([np.array([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in scored],
+                [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in first])
+
+    ref_rows, ref_first = run(LLM(tiny_d64, dtype="float32", **opts))
+    llm = LLM(tiny_d64, dtype="bfloat16", **opts)
+    model = llm.engine.runner.model
+    decoder = model.compiled_decoder(llm.engine.runner.kv_cache)
+    assert llm.engine.runner.lora.slots.packed and decoder is not None and decoder.takes_lora
+    calls = []
+    forward = decoder.forward
+
+    def spy(*args, **kw):
+        calls.append(args[8] if len(args) > 8 else kw.get("lora"))
+        return forward(*args, **kw)
+    decoder.forward = spy
+    compiled_rows, compiled_first = run(llm)
+    assert any(c is not None for c in calls)  # adapter steps ran in the compiled loop
+    model.use_compiled_decoder = False
+    python_rows, python_first = run(llm)
+    for name, ref, comp, py in zip(names, ref_rows, compiled_rows, python_rows):
+        err_compiled, err_python = np.abs(comp - ref).mean(), np.abs(py - ref).mean()
+        if name is None:
+            assert (comp == py).all()
+        assert err_compiled <= 1.5 * err_python + 0.01, (name, err_compiled, err_python)
+    def first_err(got):  # float32's first token: its log-prob's error (1 where not in the top 5)
+        return np.mean([abs(g[t] - r[t]) if (t := max(r, key=r.get)) in g else 1.0 for r, g in zip(ref_first, got)])
+    assert first_err(compiled_first) <= 1.5 * first_err(python_first) + 0.02
 
 
 def _bad(tmp_path, source: str, edit) -> str:
@@ -193,3 +270,57 @@ def test_smollm2_adapters_mixed_with_the_base_model_equal_peft(smollm2_hf, tmp_p
         base = [hf_greedy(select(None), p, 6) for p in prompts[:2]]
     assert [o.outputs[0].token_ids for o in outs] == expect
     assert expect[:2] != base  # the adapters change the output
+
+
+@pytest.mark.needs("cuda")
+def test_mixed_adapters_on_cuda_equal_peft(tiny, hf, adapters):
+    """CUDA runs the torch slots and per-segment GEMMs (no Triton kernel yet): a mixed batch's
+    float32 tokens equal PEFT's."""
+    llm = LLM(tiny, dtype="float32", device="cuda", enable_lora=True, max_loras=2, max_lora_rank=8,
+              kv_cache_memory=32 * 2**20, block_size=16)
+    prompts = rand_prompts(16, [20, 33, 9], llm.engine.model_config.vocab_size)
+    names = ["a", None, "b"]
+    outs = llm.generate(prompts, greedy(GEN), lora_request=[lora(n, adapters) for n in names], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference(hf, adapters, prompts, names)
+
+
+def test_an_adapter_request_with_h2o_stays_in_the_compiled_layer_loop(tiny_d64, tmp_path):
+    """Both extras of the compiled layer loop in one step: an adapter's deltas inside its
+    projections and h2o's per-block scores after attention. The step is one compiled call, its
+    scores agree with the Python loop's, and the base neighbour's tokens are unchanged."""
+    hf = load_hf(tiny_d64)
+    req = LoRARequest("a", 1, make_adapter(hf, tmp_path / "a", r=8, seed=41, magnitude=2.0))
+    prompts = rand_prompts(15, [150, 70], 1000)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                             kv_compression={"method": "h2o", "heavy_tokens": 32, "window": 32}),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)]
+    runs = []
+    for compiled in (True, False):
+        llm = LLM(tiny_d64, dtype="bfloat16", enable_lora=True, max_loras=1, max_lora_rank=16, block_size=16,
+                  kv_cache_memory=32 * 2**20, max_num_batched_tokens=64, enable_prefix_caching=False)
+        eng, model = llm.engine, llm.engine.runner.model
+        model.use_compiled_decoder = compiled
+        both = []
+        if compiled:
+            decoder = model.compiled_decoder(eng.runner.kv_cache)
+            forward = decoder.forward
+
+            def spy(*args, **kw):
+                both.append(bool(args[6]) and args[8] is not None)
+                return forward(*args, **kw)
+            decoder.forward = spy
+            model.attn.score_blocks = lambda *a: (_ for _ in ()).throw(AssertionError("scores left the loop"))
+        seen = []
+        add = eng.kv.add_scores
+        eng.kv.add_scores = lambda r, sc: (seen.append(sc), add(r, sc))
+        outs = llm.generate(prompts, params, lora_request=[req, None], use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], seen))
+        if compiled:
+            assert any(both)  # one compiled call carried the adapter and the scored rows
+    (tok_c, scores_c), (tok_p, scores_p) = runs
+    assert tok_c[1] == tok_p[1] and len(scores_c) == len(scores_p) > 10
+    for k, (a, b) in enumerate(zip(scores_c, scores_p)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.sum() == pytest.approx(b.sum(), rel=1e-3)  # the same mass: rows x heads x layers
+        if k < 3:  # the prompt's chunks (later tokens may differ: the loops round the deltas apart)
+            assert np.corrcoef(a, b)[0, 1] > 0.95, k

@@ -94,6 +94,32 @@ def test_load_and_unload_at_runtime(server, adapters, tmp_path):
     assert complete(server, "a").status_code == 200  # everything else still serves
 
 
+def test_unloading_an_adapter_lets_its_running_request_finish(server, tiny, adapters):
+    """The unload takes the name from new requests at once; a request already streaming under it
+    keeps the engine's copy and finishes with the adapter's tokens, others are untouched, and
+    nothing stays held once it is done (no running request, no block in use, no adapter in use)."""
+    url = server.url
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "u", "lora_path": adapters["a"]}).status_code == 200
+    body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    expect = httpx.post(f"{url}/v1/completions", json={**body, "model": "a"}, timeout=120).json()["choices"][0]["text"]
+    base = complete(server, tiny).json()["choices"][0]["text"]
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "model": "u", "stream": True}, timeout=120) as r:
+        lines = (ln for ln in r.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]")
+        chunks.append(json.loads(next(lines)[6:]))  # the request is running
+        assert 'running_lora_adapters="u"' in httpx.get(f"{url}/metrics").text
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "u"}).status_code == 200
+        assert complete(server, "u").status_code == 404
+        assert complete(server, tiny).json()["choices"][0]["text"] == base
+        chunks += [json.loads(ln[6:]) for ln in lines]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expect
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = httpx.get(f"{url}/metrics").text
+    assert server.metric("vllm:num_requests_running") == 0 and server.metric("vllm:kv_cache_usage_perc") == 0
+    info = next(ln for ln in text.splitlines() if ln.startswith("vllm:lora_requests_info{"))
+    assert 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info
+
+
 def test_lora_requests_info_metric(server):
     complete(server, "a")
     text = httpx.get(f"{server.url}/metrics").text

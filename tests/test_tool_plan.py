@@ -327,3 +327,26 @@ def test_plot_errors_name_the_flag_and_the_fix(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a machine without it
     assert plan_tool.main(["--plot", str(tmp_path / "plan.png")]) == 1
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fixture,dtype", [("tiny", "float32"), ("tiny_d64", "bfloat16")])
+def test_plan_charges_the_lora_slots_as_the_engine_does(capsys, request, fixture, dtype):
+    """--enable-lora: the adapter slots come out of the budget before the KV cache, in plan as at
+    start-up (bf16 on AMX: the packed copy too)."""
+    from kvserve import LLM
+    model = request.getfixturevalue(fixture)
+    mem = 24 * 2**20
+    engine = LLM(model, dtype=dtype, kv_cache_memory=mem, block_size=16, max_model_len=256, enable_lora=True,
+                 max_loras=3, max_lora_rank=32).engine
+    rc, plan = _plan_json(capsys, "--model", model, "--dtype", dtype, "--kv-cache-memory", f"{mem}B",
+                          "--block-size", "16", "--max-model-len", "256", "--enable-lora", "--max-loras", "3",
+                          "--max-lora-rank", "32")
+    assert rc == 0
+    charged = engine.setup.budget.lora_bytes
+    assert charged == engine.runner.lora.slots.nbytes > 0
+    assert plan["budget"]["lora_bytes"] == charged
+    assert plan["budget"]["kv_cache_memory"] == mem - charged
+    assert plan["plan"]["num_blocks"] == engine.setup.num_blocks
+    rc = plan_tool.main(["--model", model, "--dtype", dtype, "--kv-cache-memory", f"{max(charged, 2**20)}B",
+                         "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32"])
+    assert rc == 2 and "take the whole KV budget" in capsys.readouterr().err

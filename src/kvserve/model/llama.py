@@ -159,17 +159,20 @@ class LlamaModel:
         projection and MLP then run on those rows alone. A prompt chunk's other rows feed nothing
         there (their K and V, all that later tokens read, come from the q/k/v projection), so a
         prefill step skips 1/num_layers of its o and MLP work; the rows kept are unchanged.
-        `lora`: the step's rows that run with an adapter (model/lora.py); such a step takes the
-        Python loop, which adds their deltas to the projections before the rotary and SiLU passes."""
+        `lora`: the step's rows that run with an adapter (model/lora.py), whose deltas are added to
+        the projections before the rotary and SiLU passes: inside the compiled layer loop's
+        products where the slots are packed for it, else in the Python loop."""
         c = self.config
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
-        decoder = self.compiled_decoder(kv_cache) if lora is None else None
+        decoder = self.compiled_decoder(kv_cache)
+        if lora is not None and decoder is not None and not (lora.packed and decoder.takes_lora):
+            decoder = None
         if decoder is not None:
             meta = attn_metadata
             x, scores = decoder.forward(h, cos, sin, meta.slot_mapping, self.attn.varlen_plan(meta), out_rows,
-                                        meta.score_seqs, meta.score_rows)
+                                        meta.score_seqs, meta.score_rows, lora)
             for k, i in enumerate(meta.score_seqs):  # score-based compression, scored in the loop
                 meta.block_scores[i] = scores[k, :-(-meta.seq_lens[i] // meta.block_size)]
             return x

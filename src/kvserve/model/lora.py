@@ -10,6 +10,12 @@ A step's rows are grouped by adapter slot (`LoRABatch`): each segment of rows sh
 is one pair of GEMMs (x[seg] A^T B^T, the SGMV idea of punica and vLLM), added onto the base
 projection's output for those rows only; rows of the base model are not touched. The delta is
 added before the rotary / SiLU epilogue, as PEFT adds it to the projection's output.
+
+Two places run it. The Python layer loop: torch GEMMs per segment over torch slots. The compiled
+layer loop (bf16 on AMX, slots also packed, `packing_kernels`): one grouped kernel call for every
+segment's shrink, and the expand as extra k-steps of the base projection's own product, so the
+delta is in the accumulator before the epilogue and the output is written once
+(csrc/gemm_grouped.h).
 """
 from __future__ import annotations
 
@@ -53,11 +59,44 @@ def group_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {g: (sum(m[p][0] for p in parts), m[parts[0]][1]) for g, parts in GROUPS.items()}
 
 
-def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
-    """Bytes one adapter slot takes: every layer's stacked A and block-diagonal B at max_rank."""
+def packing_kernels(cfg: ModelConfig, dtype: torch.dtype, lora_dtype: torch.dtype, device: torch.device):
+    """The AMX projection kernels (ops/cpu_kernels.GemmBf16) that adapter slots are also packed
+    for, so that the compiled layer loop adds the deltas inside its projections; None where the
+    slots are torch tensors only: not a bf16 model with bf16 slots on a CPU with AMX, or shapes
+    the kernels do not take (every part's outputs in whole 32-column halves)."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or lora_dtype != torch.bfloat16:
+        return None
+    from kvserve.ops.cpu_kernels import gemm_bf16_kernels
+    kernels = gemm_bf16_kernels()
+    if kernels is None or kernels.grouped is None:
+        return None
+    shapes = module_shapes(cfg)
+    if any(n_out % 64 or n_in % kernels.k_multiple for n_out, n_in in group_shapes(cfg).values()) or \
+            any(n_out % 32 for n_out, _ in shapes.values()):
+        return None
+    return kernels
+
+
+def packed_rank(max_rank: int) -> tuple[int, int, int]:
+    """(k of B per panel, A rows per part, s columns per part): the rank made even (bf16 pairs),
+    rounded up to a 16-column panel (the shrink's N), and to a 32-k AMX step."""
+    return max_rank + max_rank % 2, -(-max_rank // 16) * 16, -(-max_rank // 32) * 32
+
+
+def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype, kernels=None) -> int:
+    """Bytes one adapter slot takes: every layer's stacked A and block-diagonal B at max_rank as
+    torch tensors, and where `kernels` is given the packed copy LoRASlots also keeps."""
     size = torch.empty(0, dtype=dtype).element_size()
     per_layer = sum(len(GROUPS[g]) * max_rank * (n_in + n_out) for g, (n_out, n_in) in group_shapes(cfg).items())
+    if kernels is not None:
+        rank, rows, _ = packed_rank(max_rank)
+        per_layer += sum(len(GROUPS[g]) * rows * n_in + n_out * rank + _B_PAD
+                         for g, (n_out, n_in) in group_shapes(cfg).items())
     return per_layer * cfg.num_hidden_layers * size
+
+
+# Zeros after each packed B: a k-step reads 32 k of a panel of `rank`, past the slot's last one.
+_B_PAD = 16 * 32
 
 
 def adapter_digest(path: str) -> str:
@@ -170,16 +209,31 @@ def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: t
 
 
 class LoRASlots:
-    """The adapters a step may use, preallocated: per layer and fused projection, A^T `[S, in, P*R]`
-    (P parts side by side) and B^T `[S, P*R, out]` (block-diagonal), S = --max-loras,
-    R = --max-lora-rank. `orders`: a projection's output columns as its packed weight orders
-    them (Linear.order, where an epilogue needs one), which B^T's columns then follow."""
+    """The adapters a step may use, preallocated: S = --max-loras slots of R = --max-lora-rank.
+
+    As torch tensors per layer and fused projection (the Python layer loop's): A^T `a`
+    `[S, in, P*R]` (P parts side by side) and B^T `b` `[S, P*R, out]` (block-diagonal), B^T's
+    columns in the gate/up projection's SiLU epilogue order where it has one (the q/k/v delta is
+    rotated apart, LlamaModel._qkv_rotated_plus_lora).
+
+    With `kernels` (packing_kernels), also packed for the compiled layer loop
+    (csrc/decoder_bf16.cpp, gemm_grouped.h's LoRAExt): per fused projection g, `pa[g]`
+    `[layers, S, P * shrink_rows * in]`, each part's A a packed weight of its own (a shrink per part
+    writes its rank columns at a 32-aligned offset of the row's block of s; the zeros between stay
+    from the start of the step), and `pb[g]` `[layers, S, out * rank + pad]`:
+    for each 16-column panel of the projection's packed output order (its epilogue's), only its
+    part's B rows, `rank` k each; `panel_koff[g]` says which part's columns of s a panel reads.
+    A delta then costs its adapter's exact B bytes, added inside the base product before its
+    rotary or SiLU epilogue."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device, orders: dict[str, torch.Tensor | None] | None = None) -> None:
+                 device: torch.device, orders: dict[str, torch.Tensor | None] | None = None,
+                 kernels=None) -> None:
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
         self.shapes = module_shapes(cfg)
-        self.orders = orders or {}
+        orders = {g: o for g, o in (orders or {}).items() if o is not None}
+        self.orders = {g: o for g, o in orders.items() if g != "qkv"}  # the torch tensors'
+        self.kernels = kernels
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
         for _ in range(cfg.num_hidden_layers):
@@ -189,10 +243,47 @@ class LoRASlots:
                 pr = len(GROUPS[g]) * max_rank
                 self.a[-1][g] = torch.zeros(num_slots, n_in, pr, dtype=dtype, device=device)
                 self.b[-1][g] = torch.zeros(num_slots, pr, n_out, dtype=dtype, device=device)
+        self.pa: dict[str, torch.Tensor] = {}
+        self.pb: dict[str, torch.Tensor] = {}
+        self.panel_koff: dict[str, torch.Tensor] = {}
+        self.packed_orders: dict[str, torch.Tensor] = orders
+        self.rank, self.shrink_rows, self.part_cols = packed_rank(max_rank)
+        if kernels is None:
+            return
+        for g, (n_out, n_in) in group_shapes(cfg).items():
+            parts = GROUPS[g]
+            self.pa[g] = torch.zeros(cfg.num_hidden_layers, num_slots, len(parts) * self.shrink_rows * n_in, dtype=dtype)
+            self.pb[g] = torch.zeros(cfg.num_hidden_layers, num_slots, n_out * self.rank + _B_PAD, dtype=dtype)
+            order = orders.get(g)
+            cols = order if order is not None else torch.arange(n_out)
+            part_of = torch.repeat_interleave(torch.arange(len(parts)),
+                                              torch.tensor([self.shapes[m][0] for m in parts]))[cols]
+            panels = part_of.view(-1, 16)
+            if not (panels == panels[:, :1]).all():
+                raise ValueError(f"{g}: a 16-column panel spans two parts")  # packing_kernels rules this out
+            self.panel_koff[g] = (panels[:, 0] * self.part_cols).to(torch.int32).contiguous()
+
+    @property
+    def packed(self) -> bool:
+        return self.kernels is not None
+
+    def block(self, group: str) -> int:
+        """Columns of s per slot for a fused projection (packed slots)."""
+        return len(GROUPS[group]) * self.part_cols
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values())
+        tensors = [t for layer in (*self.a, *self.b) for t in layer.values()] + [*self.pa.values(), *self.pb.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _parts(self, layer: int, group: str, adapter: LoRAAdapter):
+        """(part, row offset of its outputs, A `[r, in]`, B `[out, r]`) of the adapter's modules in the group."""
+        row = 0
+        for p, module in enumerate(GROUPS[group]):
+            w = adapter.weights.get((layer, module))
+            if w is not None:
+                yield p, row, w[0], w[1]
+            row += self.shapes[module][0]
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put the adapter in a slot: its matrices at their parts' rows and columns, zeros elsewhere."""
@@ -202,17 +293,30 @@ class LoRASlots:
                 a, b = a_g[g][slot], b_g[g][slot]
                 a.zero_()
                 b_t = torch.zeros(b.shape[1], b.shape[0], dtype=b.dtype, device=b.device)  # [out, P*R]
-                row = 0
-                for p, module in enumerate(parts):
-                    n_out = self.shapes[module][0]
-                    w = adapter.weights.get((layer, module))
-                    if w is not None:
-                        k = w[0].shape[0]
-                        a[:, p * r:p * r + k].copy_(w[0].t())
-                        b_t[row:row + n_out, p * r:p * r + k].copy_(w[1])
-                    row += n_out
+                for p, row, wa, wb in self._parts(layer, g, adapter):
+                    k = wa.shape[0]
+                    a[:, p * r:p * r + k].copy_(wa.t())
+                    b_t[row:row + wb.shape[0], p * r:p * r + k].copy_(wb)
                 order = self.orders.get(g)
                 b.copy_((b_t if order is None else b_t[order.to(b.device)]).t())
+                if self.packed:
+                    self._pack(layer, slot, g, adapter)
+
+    def _pack(self, layer: int, slot: int, group: str, adapter: LoRAAdapter) -> None:
+        n_out, n_in = sum(self.shapes[m][0] for m in GROUPS[group]), self.shapes[GROUPS[group][0]][1]
+        rows = self.shrink_rows
+        a = torch.zeros(len(GROUPS[group]), rows, n_in, dtype=self.dtype)  # each part's own packed weight
+        b = torch.zeros(n_out, self.rank, dtype=self.dtype)  # each output's own part's B row
+        for p, row, wa, wb in self._parts(layer, group, adapter):
+            a[p, :wa.shape[0]].copy_(wa)
+            b[row:row + wb.shape[0], :wb.shape[1]].copy_(wb)
+        order = self.packed_orders.get(group)
+        if order is not None:
+            b = b[order].contiguous()
+        dst = self.pa[group][layer, slot].view(len(GROUPS[group]), rows * n_in)
+        for p in range(len(GROUPS[group])):
+            self.kernels.pack(a[p].data_ptr(), rows, n_in, dst[p].data_ptr())
+        self.kernels.pack(b.data_ptr(), n_out, self.rank, self.pb[group][layer, slot].data_ptr())
 
 
 @dataclass
@@ -231,7 +335,9 @@ class LoRABatch:
     valid_index: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, segments: list[tuple[int, int, int]], num_slots: int, device: torch.device) -> "LoRABatch | None":
+    def build(cls, segments: list[tuple[int, int, int]], num_slots: int, device: torch.device,
+              pad: bool = True) -> "LoRABatch | None":
+        """`pad`: plan the batched GEMM where it pays (torch slots; packed ones run per segment)."""
         segments = [s for s in segments if s[2] > s[1]]
         if not segments:
             return None
@@ -239,7 +345,7 @@ class LoRABatch:
         rel = [(slot, a - lo, b - lo) for slot, a, b in segments]
         batch = cls(lo, hi, rel, num_slots)
         longest = max(b - a for _, a, b in rel)
-        if num_slots * longest <= 2 * (hi - lo):
+        if pad and num_slots * longest <= 2 * (hi - lo):
             pad = np.zeros((num_slots, longest), dtype=np.int64)
             valid = []
             for slot, a, b in rel:
@@ -253,13 +359,17 @@ class LoRABatch:
             batch.valid_index = torch.from_numpy(valid).to(device)
         return batch
 
-    def restrict(self, out_rows: torch.Tensor, device: torch.device) -> "LoRABatch | None":
+    def restrict(self, out_rows: torch.Tensor, device: torch.device, pad: bool = True) -> "LoRABatch | None":
         """The same batch over the rows `out_rows` keeps (LlamaModel.forward's last layer),
         renumbered as positions in out_rows (a segment's kept rows stay contiguous there)."""
         keep = out_rows.cpu().numpy()
         segments = [(slot, int(np.searchsorted(keep, self.lo + a)), int(np.searchsorted(keep, self.lo + b)))
                     for slot, a, b in self.segments]
-        return LoRABatch.build(segments, self.num_slots, device)
+        return LoRABatch.build(segments, self.num_slots, device, pad)
+
+    def absolute(self) -> np.ndarray:
+        """The segments as rows (slot, start, end) of the step: int64 `[n, 3]` (decoder_bf16.cpp's)."""
+        return np.array([(slot, self.lo + a, self.lo + b) for slot, a, b in self.segments], dtype=np.int64)
 
 
 class LoRAStep:
@@ -272,8 +382,12 @@ class LoRAStep:
     def rows(self) -> slice:
         return slice(self.batch.lo, self.batch.hi)
 
-    def restrict(self, out_rows: torch.Tensor) -> "LoRAStep | None":
-        batch = self.batch.restrict(out_rows, out_rows.device)
+    @property
+    def packed(self) -> bool:
+        return self.slots.packed
+
+    def restrict(self, out_rows: torch.Tensor, pad: bool = True) -> "LoRAStep | None":
+        batch = self.batch.restrict(out_rows, out_rows.device, pad)
         return None if batch is None else LoRAStep(self.slots, batch)
 
     def delta(self, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
@@ -297,3 +411,10 @@ class LoRAStep:
         """y[rows] += the delta (y `[T, out]`, in place)."""
         y[self.batch.lo:self.batch.hi] += self.delta(x, layer, group)  # rounded to y's dtype once
         return y
+
+    def row_slots(self, num_rows: int) -> np.ndarray:
+        """Each row's slot, -1 for base-model rows: int32 `[num_rows]` (gemm_grouped.h's row_slot)."""
+        out = np.full(num_rows, -1, dtype=np.int32)
+        for slot, a, b in self.batch.segments:
+            out[self.batch.lo + a:self.batch.lo + b] = slot
+        return out

@@ -57,7 +57,7 @@ _SOURCES = tuple(CSRC / name for name in (
 # Part of the cache key, not compiled alone.
 _HEADERS = tuple(CSRC / name for name in (
     "avx512_exp.h", "bf16_vec.h", "gemm_epilogue.h", "amx.h", "weight_tiles.h", "attend_amx.h",
-    "quant_fields.h", "decode_fp8_amx.h", "attend_decode.h"))
+    "quant_fields.h", "decode_fp8_amx.h", "attend_decode.h", "gemm_grouped.h"))
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _HEAD_DIMS = (64, 128)  # unrolled instances; others up to _MAX_HEAD_DIM use the generic one
@@ -224,8 +224,13 @@ def load_library() -> ctypes.CDLL | None:
             lib.gemm_bf16_amx.argtypes = lib.gemm_bf16.argtypes
             lib.gemm_bf16_amx.restype = None
             lib.gemm_amx_available.restype = ctypes.c_int
+            lib.gemm_bf16_amx_grouped.argtypes = [_P, ctypes.c_int]  # GemmProblem[n], n (csrc/gemm_grouped.h)
+            lib.gemm_bf16_amx_grouped.restype = None
             for name in ("gemm_q4_1_amx", "gemm_q8_0_amx"):  # over GGUF codes (csrc/weight_tiles.h)
                 getattr(lib, name).argtypes = lib.gemm_bf16.argtypes
+                getattr(lib, name).restype = None
+            for name in LORA_GEMM.values():  # the same with a LoRA expand (csrc/gemm_grouped.h's LoRAExt*)
+                getattr(lib, name).argtypes = [*lib.gemm_bf16.argtypes, _P]
                 getattr(lib, name).restype = None
             lib.run_decoder_bf16.argtypes = [_P, _P]  # DecoderModel*, DecoderStep* (model/cpu_decoder.py)
             lib.run_decoder_bf16.restype = ctypes.c_int
@@ -323,12 +328,28 @@ def argmax_bf16_kernel():
     return None if lib is None or not lib.argmax_bf16_available() else lib.argmax_bf16_rows
 
 
+# The AMX projection kernels and their twins that add a LoRA expand inside the product.
+LORA_GEMM = {"gemm_bf16_amx": "gemm_bf16_amx_lora", "gemm_q4_1_amx": "gemm_q4_1_amx_lora",
+             "gemm_q8_0_amx": "gemm_q8_0_amx_lora"}
+
+
+def lora_gemm_for(kernel):
+    """The LoRA twin of a projection kernel (by address), or None where it has none."""
+    lib = load_library()
+    address = ctypes.cast(kernel, ctypes.c_void_p).value
+    for name, twin in LORA_GEMM.items():
+        if ctypes.cast(getattr(lib, name), ctypes.c_void_p).value == address:
+            return getattr(lib, twin)
+    return None
+
+
 class GemmBf16(NamedTuple):
     """ops/csrc/gemm_bf16.cpp (AVX512-BF16 dot products) or gemm_amx.cpp (AMX tiles): bf16
     projections over the same packed weight, with the same epilogues."""
     pack: ctypes._CFuncPtr  # (W [N, K], N, K, packed) -> the weight in the kernel's layout
     gemm: ctypes._CFuncPtr  # (x [M, K], M, K, packed, N, y [M, N], epilogue, cos, sin, head_dim, rope_cols)
     k_multiple: int  # K must be a multiple of this
+    grouped: ctypes._CFuncPtr | None  # AMX: (GemmProblem[n], n), several products in one call
 
 
 def gemm_bf16_kernels(amx: bool | None = None) -> GemmBf16 | None:
@@ -338,10 +359,10 @@ def gemm_bf16_kernels(amx: bool | None = None) -> GemmBf16 | None:
     if lib is None or not lib.gemm_bf16_available():
         return None
     if amx is not False and lib.gemm_amx_available():
-        return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16_amx, 32)
+        return GemmBf16(lib.gemm_bf16_pack, lib.gemm_bf16_amx, 32, lib.gemm_bf16_amx_grouped)
     if amx:
         return None
-    return GemmBf16(lib.gemm_bf16_pack_steps, lib.gemm_bf16, 2)
+    return GemmBf16(lib.gemm_bf16_pack_steps, lib.gemm_bf16, 2, None)
 
 
 def gemm_codes_kernel(qtype: str):

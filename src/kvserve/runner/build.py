@@ -132,8 +132,10 @@ def lora_slot_bytes(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, devi
     """What the --max-loras adapter slots of --max-lora-rank take (0 without --enable-lora)."""
     if not args.enable_lora:
         return 0
-    from kvserve.model.lora import slot_bytes
-    return args.max_loras * slot_bytes(cfg, args.max_lora_rank, lora_dtype(args, dtype, device))
+    from kvserve.model.lora import packing_kernels, slot_bytes
+    slots_dtype = lora_dtype(args, dtype, device)
+    return args.max_loras * slot_bytes(cfg, args.max_lora_rank, slots_dtype,
+                                       packing_kernels(cfg, dtype, slots_dtype, device))
 
 
 def kv_budget_for(args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

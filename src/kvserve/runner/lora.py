@@ -21,9 +21,10 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device, orders: dict | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, orders: dict | None = None, kernels=None) -> None:
+        """`orders` and `kernels`: LoRASlots' (the projections' epilogue orders; the kernels to pack for)."""
         self.cfg, self.max_rank, self.max_cpu_loras, self.dtype = cfg, max_rank, max_cpu_loras, dtype
-        self.slots = LoRASlots(cfg, max_loras, max_rank, dtype, device, orders)
+        self.slots = LoRASlots(cfg, max_loras, max_rank, dtype, device, orders, kernels)
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # key -> adapter, least recent first
         self.pins: Counter[str] = Counter()  # key -> unfinished requests using it
         self.slot_keys: list[str | None] = [None] * max_loras

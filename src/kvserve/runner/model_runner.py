@@ -95,10 +95,14 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.lora: LoRAManager | None = None
         if config.max_loras:
-            gate_up = self.model.layers[0].gate_up_proj  # its SiLU epilogue's column order, which deltas follow
+            from kvserve.model.lora import packing_kernels
+            layer = self.model.layers[0]  # its epilogues' column orders, which the deltas follow
+            orders = {"qkv": layer.qkv_proj.order if layer.qkv_proj.epilogue else None,
+                      "gate_up": layer.gate_up_proj.order if layer.gate_up_proj.epilogue else None}
+            lora_dtype = config.lora_dtype or self.dtype
             self.lora = LoRAManager(model_config, config.max_loras, config.max_lora_rank,
-                                    config.max_cpu_loras or config.max_loras, config.lora_dtype or self.dtype,
-                                    self.device, {"gate_up": gate_up.order if gate_up.epilogue else None})
+                                    config.max_cpu_loras or config.max_loras, lora_dtype, self.device, orders,
+                                    packing_kernels(model_config, self.dtype, lora_dtype, self.device))
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:
             self._capture(list(config.cuda_graph_sizes), config.max_model_len or model_config.max_position_embeddings)

@@ -210,6 +210,8 @@ class MemoryBudget:
     weights: WeightEstimate | None = None
     activation_reserve: int | None = None
     reserve_note: str = ""
+    lora_bytes: int = 0  # --enable-lora: the adapter slots, charged before the KV cache
+    lora_note: str = ""
 
 
 def memory_budget(args: argparse.Namespace, spec: ModelSpec) -> MemoryBudget:
@@ -239,6 +241,25 @@ def memory_budget(args: argparse.Namespace, spec: ModelSpec) -> MemoryBudget:
             "--tensor-parallel-size or --gpu-memory-utilization, or use --quantization")
     return MemoryBudget(kv_cache_memory=kv, source="gpu-memory", gpu_memory=gpu, gpu_memory_utilization=util,
                         weights=weights, activation_reserve=reserve, reserve_note=note)
+
+
+def lora_charge(args: argparse.Namespace, cfg: ModelConfig, dtype: str, device: str) -> tuple[int, str]:
+    """The engine's charge for --max-loras adapter slots of --max-lora-rank (runner/build.py's
+    lora_slot_bytes, packed copy included where this CPU's AMX kernels would hold one), and what it is."""
+    if not getattr(args, "enable_lora", False):
+        return 0, ""
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        raise ConfigError(f"--max-loras and --max-lora-rank must be >= 1 (got {args.max_loras}, {args.max_lora_rank})")
+    import torch
+
+    from kvserve.model.lora import packing_kernels
+    from kvserve.runner.build import lora_dtype, lora_slot_bytes
+    torch_dtype, dev = getattr(torch, dtype), torch.device(device)
+    charge = lora_slot_bytes(args, cfg, torch_dtype, dev)
+    slots_dtype = lora_dtype(args, torch_dtype, dev)
+    packed = packing_kernels(cfg, torch_dtype, slots_dtype, dev) is not None
+    return charge, (f"--max-loras {args.max_loras} x --max-lora-rank {args.max_lora_rank}, "
+                    f"{str(slots_dtype).removeprefix('torch.')}{', also packed for the AMX kernels' if packed else ''}")
 
 
 def _size(value: str, flag: str) -> int:
@@ -300,6 +321,14 @@ def build_plan_report(args: argparse.Namespace) -> PlanReport:
     cfg = spec.config
     dtype = normalize_dtype(spec.dtype if args.dtype == "auto" else args.dtype)
     budget = memory_budget(args, spec)
+    budget.lora_bytes, budget.lora_note = lora_charge(args, cfg, dtype, "cuda" if budget.source == "gpu-memory"
+                                                      else "cpu")
+    if budget.lora_bytes:
+        if budget.lora_bytes >= budget.kv_cache_memory:
+            raise ConfigError(f"the LoRA adapter slots ({budget.lora_note}: {fmt_bytes(budget.lora_bytes)}) take the "
+                              f"whole KV budget of {fmt_bytes(budget.kv_cache_memory)}; give the cache more memory "
+                              f"or lower --max-loras / --max-lora-rank")
+        budget.kv_cache_memory -= budget.lora_bytes  # what the blocks get, as the engine sizes its pool
     plan = plan_kv(cfg, budget.kv_cache_memory, args.block_size, args.kv_cache_dtype, dtype, args.max_model_len,
                    tensor_parallel_size=args.tensor_parallel_size, mean_context_len=args.mean_context_len,
                    max_num_seqs=args.max_num_seqs)
@@ -380,6 +409,11 @@ def add_parser(subparsers) -> None:
     add_model_arguments(p)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--mean-context-len", type=int, default=None, help="expected mean prompt+output tokens per request")
+    lora = p.add_argument_group("LoRA adapters (their slots are charged before the KV cache, as the engine does)")
+    lora.add_argument("--enable-lora", action="store_true")
+    lora.add_argument("--max-loras", type=int, default=1, help="adapter slots (default 1, vLLM's)")
+    lora.add_argument("--max-lora-rank", type=int, default=16)
+    lora.add_argument("--lora-dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"))
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when --max-model-len cannot fit")
     p.add_argument("--plot", metavar="PNG", help="draw max concurrency against --max-model-len for each KV dtype "
@@ -402,6 +436,10 @@ def format_plan_report(r: PlanReport) -> str:
                   f"  activation/overhead reserve   -{fmt_bytes(b.activation_reserve)}  ({b.reserve_note})"]
     source = {"gpu-memory": "what is left", "kv-cache-memory": "--kv-cache-memory",
               "default": "default: the engine's CPU budget; set --gpu-memory or --kv-cache-memory"}[b.source]
+    if b.lora_bytes:
+        lines += [f"  budget                        {fmt_bytes(b.kv_cache_memory + b.lora_bytes)}  ({source})",
+                  f"  LoRA adapter slots            -{fmt_bytes(b.lora_bytes)}  ({b.lora_note})"]
+        source = "what the slots leave"
     lines += [f"  KV cache budget               {fmt_bytes(b.kv_cache_memory)}  ({source})", "",
               f"KV cache (kv-cache-dtype {kv_dtype}, block size {p.block_size})",
               f"  bytes per token               {p.bytes_per_token:,.0f} per GPU"

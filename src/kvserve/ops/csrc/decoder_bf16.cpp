@@ -11,6 +11,7 @@
 // buffers: the loop takes the step's pointers as they are.
 #include <stdint.h>
 #include <string.h>
+#include "gemm_grouped.h"
 
 extern "C" void add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, int64_t delta_stride, const uint16_t* w,
                                   uint16_t* out, int64_t T, int64_t H, float eps);
@@ -34,13 +35,19 @@ typedef int (*AttentionFn)(const void* q, void* out, const int64_t* q_start, con
                            const int64_t* seq_lens, int n, int hq, int hkv, int bs, float scale, int64_t window,
                            int ngroups, const int64_t* group_start, const int64_t* group_members,
                            const int64_t* group_prefix);
+// gemm_*_amx_lora: GemmFn's arguments and a LoRA expand in the product (gemm_grouped.h).
+typedef void (*LoRAGemmFn)(const uint16_t* x, int64_t M, int64_t K, const void* weight, int64_t N, uint16_t* y,
+                           int kind, const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim,
+                           int64_t rope_cols, const LoRAExt* lora);
 
 }  // namespace
 
-// One projection: its kernel and the weight operand that kernel reads.
+// One projection: its kernel and the weight operand that kernel reads, and the same kernel with
+// a LoRA expand (null where there is none).
 struct Projection {
     GemmFn gemm;
     const void* weight;
+    LoRAGemmFn lora_gemm;
 };
 
 // One layer's weights and KV blocks; field order is cpu_decoder.py's LayerC.
@@ -55,6 +62,22 @@ struct DecoderLayer {
     uint16_t* v_cache;
 };
 
+// The LoRA adapter slots, packed (model/lora.py's LoRASlots), fixed at load (cpu_decoder.py's
+// LoRAC). For fused projection g (qkv, o, gate_up, down), layer l and slot j: each of its parts'
+// A (parts[g] of them) as a packed weight [shrink_rows, in] at a[g] + (l * num_slots + j) *
+// a_stride[g] + part * shrink_rows * in, whose product with x is that part's columns of the row's
+// block of s (block[g] / parts[g] apart); and B as LoRAExt reads it at b[g] + l * num_slots *
+// b_stride[g] (slot stride b_stride[g]).
+struct DecoderLoRA {
+    GemmGroupedFn shrink;
+    const uint16_t* a[4];
+    const uint16_t* b[4];
+    int64_t a_stride[4], b_stride[4], block[4], parts[4];
+    const int32_t* panel_koff[4];
+    int64_t rank, shrink_rows;
+    int64_t num_slots;
+};
+
 // The model's shapes and kernels, fixed at load (cpu_decoder.py's ModelC).
 struct DecoderModel {
     AttentionFn attention;
@@ -66,6 +89,7 @@ struct DecoderModel {
     int qkv_epilogue, gate_up_epilogue;  // gemm_epilogue.h kinds (rotary, SiLU-mul)
     float eps, scale;
     int64_t window;  // sliding window (0: none)
+    const DecoderLoRA* lora;  // null without --enable-lora
 };
 
 // One step's rows and per-sequence arguments (cpu_decoder.py's StepC).
@@ -104,7 +128,46 @@ struct DecoderStep {
     const int64_t* score_seqs;
     const int64_t* score_rows;
     float* scores;
+    // Rows that run with an adapter: nseg segments (slot, lo, hi), ascending, base rows outside
+    // them; row_slot [T] each row's slot or -1. seg_out and row_slot_out: the same over the rows
+    // out_rows keeps, numbered as positions in out_rows.
+    int nseg;
+    const int64_t* seg;
+    const int32_t* row_slot;
+    int nseg_out;
+    const int64_t* seg_out;
+    const int32_t* row_slot_out;
+    uint16_t* lora_s[4];  // per projection [T, num_slots * block]: zeros, the shrinks go in here
 };
+
+namespace {
+
+// The shrink of projection g's input x [T, K] for every segment (one grouped call), each row's
+// into its slot's block of s; returns the LoRAExt with which g's product adds the expand.
+LoRAExt lora_shrink(const DecoderModel* m, const DecoderStep* s, int l, int g, const int64_t* seg, int nseg,
+                    const int32_t* row_slot, const uint16_t* x, int64_t K) {
+    const DecoderLoRA& L = *m->lora;
+    const int64_t W = L.block[g], ld = L.num_slots * W, P = L.parts[g], R = L.shrink_rows;
+    GemmProblem p[64];
+    int n = 0;
+    for (int i = 0; i < nseg; ++i) {
+        const int64_t* sg = seg + 3 * i;
+        const int64_t slot = sg[0], lo = sg[1];
+        for (int64_t part = 0; part < P; ++part) {
+            p[n++] = {x + lo * K, sg[2] - lo, K, L.a[g] + (l * L.num_slots + slot) * L.a_stride[g] + part * R * K, R,
+                      s->lora_s[g] + lo * ld + slot * W + part * (W / P), 0, nullptr, nullptr, 0, 0, ld};
+            if (n == 64) {
+                L.shrink(p, n);
+                n = 0;
+            }
+        }
+    }
+    if (n) L.shrink(p, n);
+    return {s->lora_s[g], ld, W, row_slot, L.b[g] + l * L.num_slots * L.b_stride[g], L.b_stride[g], L.rank,
+            L.panel_koff[g]};
+}
+
+}  // namespace
 
 // Returns 0, or the attention kernel's nonzero code (a build or block size it has no instance for).
 extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
@@ -112,10 +175,20 @@ extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
     const int64_t H = m->hidden, D = m->head_dim;
     const int64_t q_size = (int64_t)m->hq * D, kv_size = (int64_t)m->hkv * D, n_qkv = q_size + 2 * kv_size;
     add_rms_norm_bf16(s->h, nullptr, 0, m->layers[0].input_norm, s->x, T, H, m->eps);
+    // The adapter rows' segments and slots; over the kept rows after the last layer's gather.
+    const int64_t* sg = s->seg;
+    const int32_t* rs = s->row_slot;
+    int ns = m->lora ? s->nseg : 0;
     for (int i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
-        L.qkv.gemm(s->x, T, H, L.qkv.weight, n_qkv, s->qkv, m->qkv_epilogue, s->cos, s->sin_signed, D,
-                   q_size + kv_size);
+        if (ns) {
+            const LoRAExt e = lora_shrink(m, s, i, 0, sg, ns, rs, s->x, H);
+            L.qkv.lora_gemm(s->x, T, H, L.qkv.weight, n_qkv, s->qkv, m->qkv_epilogue, s->cos, s->sin_signed, D,
+                            q_size + kv_size, &e);
+        } else {
+            L.qkv.gemm(s->x, T, H, L.qkv.weight, n_qkv, s->qkv, m->qkv_epilogue, s->cos, s->sin_signed, D,
+                       q_size + kv_size);
+        }
         store_kv_pairs(s->qkv + q_size, s->qkv + q_size + kv_size, s->slots, T, n_qkv, n_qkv, L.k_cache, L.v_cache,
                        m->hkv, (int)D, s->block_size);
         const int rc = m->attention(s->qkv, s->attn, s->q_start, s->q_len, n_qkv, q_size, L.k_cache, L.v_cache,
@@ -140,12 +213,37 @@ extern "C" int run_decoder_bf16(const DecoderModel* m, const DecoderStep* s) {
             }
             T = s->n_out;
             if (T == 0) return 0;
+            if (ns) {
+                // The kept rows' shrinks go into rows of s that held other rows' (maybe in
+                // other slots' blocks): cleared first.
+                for (int g = 1; g < 4; ++g)
+                    memset(s->lora_s[g], 0, T * m->lora->num_slots * m->lora->block[g] * 2);
+                sg = s->seg_out;
+                ns = s->nseg_out;
+                rs = s->row_slot_out;
+            }
         }
-        L.o.gemm(s->attn, T, q_size, L.o.weight, H, s->proj, 0, nullptr, nullptr, 0, 0);
+        if (ns) {
+            const LoRAExt e = lora_shrink(m, s, i, 1, sg, ns, rs, s->attn, q_size);
+            L.o.lora_gemm(s->attn, T, q_size, L.o.weight, H, s->proj, 0, nullptr, nullptr, 0, 0, &e);
+        } else {
+            L.o.gemm(s->attn, T, q_size, L.o.weight, H, s->proj, 0, nullptr, nullptr, 0, 0);
+        }
         add_rms_norm_bf16(s->h, s->proj, H, L.post_attn_norm, s->x, T, H, m->eps);
-        L.gate_up.gemm(s->x, T, H, L.gate_up.weight, 2 * m->inter, s->act, m->gate_up_epilogue, nullptr, nullptr,
-                       0, 0);
-        L.down.gemm(s->act, T, m->inter, L.down.weight, H, s->proj, 0, nullptr, nullptr, 0, 0);
+        if (ns) {
+            const LoRAExt e = lora_shrink(m, s, i, 2, sg, ns, rs, s->x, H);
+            L.gate_up.lora_gemm(s->x, T, H, L.gate_up.weight, 2 * m->inter, s->act, m->gate_up_epilogue, nullptr,
+                                nullptr, 0, 0, &e);
+        } else {
+            L.gate_up.gemm(s->x, T, H, L.gate_up.weight, 2 * m->inter, s->act, m->gate_up_epilogue, nullptr,
+                           nullptr, 0, 0);
+        }
+        if (ns) {
+            const LoRAExt e = lora_shrink(m, s, i, 3, sg, ns, rs, s->act, m->inter);
+            L.down.lora_gemm(s->act, T, m->inter, L.down.weight, H, s->proj, 0, nullptr, nullptr, 0, 0, &e);
+        } else {
+            L.down.gemm(s->act, T, m->inter, L.down.weight, H, s->proj, 0, nullptr, nullptr, 0, 0);
+        }
         const uint16_t* next_norm = i + 1 < m->num_layers ? m->layers[i + 1].input_norm : m->final_norm;
         add_rms_norm_bf16(s->h, s->proj, H, next_norm, s->x, T, H, m->eps);
     }

@@ -28,6 +28,7 @@
 // every chunk reads it from there; the outputs equal gemm_bf16_amx's over the dequantized weight.
 #include <stdint.h>
 #include <string.h>
+#include "gemm_grouped.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -71,13 +72,45 @@ struct Gemm {
     const void* packed;  // bf16 panels, or GGUF codes in tile order (weight_tiles.h)
     uint16_t* y;
     Epilogue e;
+    const LoRAExt* lora;  // null: none
 };
+
+// The LoRA k-steps of chunk c (rows c * MB .. + mr) for the two panels from `panel`: for each
+// adapter among the rows, s's block of that slot (zeros on the other rows) times its B panels,
+// into C tiles 0-3. A panel's B holds `rank` k; the tile reads 32, and where rank is less, the
+// next panel's values meet s's zero columns (finite x 0: nothing added).
+inline void lora_steps(const Gemm& g, int64_t c, int mr, int64_t panel) {
+    const LoRAExt& L = *g.lora;
+    const int64_t r0 = c * MB, steps = (L.rank + 31) / 32, koff = L.panel_koff[panel];
+    int32_t prev = -1;
+    for (int64_t r = r0; r < r0 + mr; ++r) {
+        const int32_t j = L.row_slot[r];
+        if (j < 0 || j == prev) continue;
+        prev = j;
+        const uint16_t* sa = L.s + r0 * L.ld_s + j * L.block + koff;
+        const uint16_t* pa = L.b + j * L.b_slot_stride + panel * (L.rank / 2) * 32;
+        const uint16_t* pb = pa + (L.rank / 2) * 32;
+        for (int64_t kb = 0; kb < steps; ++kb) {
+            _tile_loadd(4, sa + 32 * kb, L.ld_s * 2);
+            _tile_loadd(6, pa + kb * 16 * 32, 64);
+            _tile_loadd(7, pb + kb * 16 * 32, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (mr > 16) {
+                _tile_loadd(5, sa + 16 * L.ld_s + 32 * kb, L.ld_s * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    }
+}
 
 // Row r's epilogue from the scratch row holding its 64 float32 columns (only half h0's 32 where
 // the unit covers one half, which only a PLAIN epilogue allows).
 inline void finish_row(const Gemm& g, const float* sr, int64_t r, int64_t nb, int h0, int h1) {
     if (h1 - h0 == 1) {
-        for (int j = 0; j < 2; ++j)
+        const int panels = g.N - nb * 64 - 32 * h0 == 16 ? 1 : 2;  // N % 32 == 16: the last half is one panel
+        for (int j = 0; j < panels; ++j)
             store_bf16(g.y + r * g.e.ldy + nb * 64 + 32 * h0 + 16 * j, _mm512_load_ps(sr + 32 * h0 + 16 * j));
         return;
     }
@@ -105,7 +138,9 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
             // the first chunk's products, for every later chunk to reuse from L1.
             const bool codes = FMT != tiles::BF16;
             const uint16_t* pa = codes ? bbuf : (const uint16_t*)g.packed + panel * KP * 32;
-            const uint16_t* pb = codes ? bbuf + SLAB * 512 : pa + KP * 32;
+            // A lone last panel (a bf16 PLAIN product with N % 32 == 16) is read twice, its
+            // second copy's columns never stored.
+            const uint16_t* pb = codes ? bbuf + SLAB * 512 : g.N - panel * 16 == 16 ? pa : pa + KP * 32;
             const int64_t boff = codes ? kb0 : 0;
             // The thread's next half (panels + 2, + 3: this unit's second half, or its next unit's
             // first) is asked into L2 tile by tile as this half's tiles are expanded, so its first
@@ -158,6 +193,7 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
                         _tile_dpbf16ps(3, 5, 7);
                     }
                 }
+                if (g.lora && s == slabs - 1) lora_steps(g, c, mr, panel);
                 _tile_stored(0, sc, 256);
                 _tile_stored(1, sc + 16, 256);
                 if (mr > 16) { _tile_stored(2, sc + 16 * 64, 256); _tile_stored(3, sc + 16 * 64 + 16, 256); }
@@ -168,33 +204,76 @@ void unit(const Gemm& g, int64_t nb, int h0, int h1, int64_t c0, int64_t c1, flo
     for (; pending < pending_end; ++pending) finish_row(g, scr + (pending - row0) * 64, pending, nb, h0, h1);
 }
 
-// gemm_bf16's contract (same packed weight, same epilogues), for K % 32 == 0.
-template <int FMT>
-void run(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, uint16_t* y, int kind,
-         const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim, int64_t rope_cols) {
-    if (M <= 0) return;
-    const Gemm g{x, M, K, N, packed, y, make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols)};
-    const int64_t groups = N / 64, chunks = (M + MB - 1) / MB;
+// Each thread's C scratch and expanded-B buffer, allocated on its first product.
+inline float* thread_scratch() {
+    static thread_local float* scr = (float*)aligned_alloc(64, MAX_SUPER * MB * 64 * sizeof(float));
+    return scr;
+}
+
+inline uint16_t* thread_bbuf() {
+    static thread_local uint16_t* bbuf = (uint16_t*)aligned_alloc(64, 2 * SLAB * 512 * sizeof(uint16_t));
+    return bbuf;
+}
+
+// One product's units of work: (super-chunk, column group, part), as run() orders them.
+struct Plan {
+    Gemm g;
+    int64_t chunks, groups, super, supers;
+    int parts;
+    int64_t units() const { return supers * groups * parts; }
+};
+
+inline Plan plan(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, uint16_t* y, int kind,
+                 const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim, int64_t rope_cols,
+                 const LoRAExt* lora = nullptr, int64_t ldy = 0) {
+    Plan p{{x, M, K, N, packed, y, make_epilogue(kind, N, cos, sin_signed, head_dim, rope_cols), lora},
+           0, 0, 0, 0, 1};
+    if (ldy) p.g.e.ldy = ldy;
+    p.chunks = (M + MB - 1) / MB;
     // Super-chunks of equal size: the static schedule hands each thread a contiguous run of units,
     // and a short last super-chunk (17 chunks as 16 + 1) left one thread with most of the work.
     const int64_t super_max = std::max<int64_t>(1, std::min<int64_t>(MAX_SUPER, SUPER_BYTES / (MB * K * 2)));
-    const int64_t supers = (chunks + super_max - 1) / super_max;
-    const int64_t super = (chunks + supers - 1) / supers;
+    p.supers = (p.chunks + super_max - 1) / super_max;
+    p.super = (p.chunks + p.supers - 1) / p.supers;
     // A PLAIN epilogue lets a unit be one 32-column half: the same traffic (each half streams A
     // and reads its own panels either way), and units that split evenly where groups are few and
     // odd (a decode's 9 groups of o_proj and down_proj left one thread idle a ninth of the time).
-    const int parts = kind == PLAIN ? 2 : 1;
+    // It also allows N % 64 == 32 or 16 over bf16 panels (a LoRA shrink to 16 or 32 rank
+    // columns): the last group's one half, or one panel.
+    p.parts = p.g.e.kind == PLAIN ? 2 : 1;
+    p.groups = p.parts == 2 ? (N + 63) / 64 : N / 64;
+    return p;
+}
+
+// Unit u of the plan (0 <= u < units()); a PLAIN plan's half past N is no work.
+inline void run_unit(const Plan& p, int64_t u, float* scr, uint16_t* bbuf, int& configured) {
+    const int part = (int)(u % p.parts);
+    const int64_t nb = (u / p.parts) % p.groups, sc = u / (p.parts * p.groups);
+    if (p.parts == 2 && nb * 64 + 32 * part >= p.g.N) return;
+    const int h0 = p.parts == 2 ? part : 0, h1 = p.parts == 2 ? part + 1 : 2;
+    unit<tiles::BF16>(p.g, nb, h0, h1, sc * p.super, std::min(p.chunks, (sc + 1) * p.super), scr, bbuf, configured);
+}
+
+// gemm_bf16's contract (same packed weight, same epilogues), for K % 32 == 0.
+template <int FMT>
+void run(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, uint16_t* y, int kind,
+         const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim, int64_t rope_cols,
+         const LoRAExt* lora = nullptr) {
+    if (M <= 0) return;
+    const Plan p = plan(x, M, K, packed, N, y, kind, cos, sin_signed, head_dim, rope_cols, lora);
     #pragma omp parallel
     {
-        static thread_local float* scr = (float*)aligned_alloc(64, MAX_SUPER * MB * 64 * sizeof(float));
-        static thread_local uint16_t* bbuf = (uint16_t*)aligned_alloc(64, 2 * SLAB * 512 * sizeof(uint16_t));
+        float* scr = thread_scratch();
+        uint16_t* bbuf = thread_bbuf();
         int configured = -1;
         #pragma omp for collapse(3) schedule(static)
-        for (int64_t sc = 0; sc < supers; ++sc)
-            for (int64_t nb = 0; nb < groups; ++nb)
-                for (int part = 0; part < parts; ++part) {
-                    const int h0 = parts == 2 ? part : 0, h1 = parts == 2 ? part + 1 : 2;
-                    unit<FMT>(g, nb, h0, h1, sc * super, std::min(chunks, (sc + 1) * super), scr, bbuf, configured);
+        for (int64_t sc = 0; sc < p.supers; ++sc)
+            for (int64_t nb = 0; nb < p.groups; ++nb)
+                for (int part = 0; part < p.parts; ++part) {
+                    if (p.parts == 2 && nb * 64 + 32 * part >= N) continue;
+                    const int h0 = p.parts == 2 ? part : 0, h1 = p.parts == 2 ? part + 1 : 2;
+                    unit<FMT>(p.g, nb, h0, h1, sc * p.super, std::min(p.chunks, (sc + 1) * p.super), scr, bbuf,
+                              configured);
                 }
         if (configured >= 0) _tile_release();
     }
@@ -212,6 +291,49 @@ GEMM_AMX_ENTRY(gemm_bf16_amx, tiles::BF16)
 GEMM_AMX_ENTRY(gemm_q4_1_amx, tiles::Q4_1)
 GEMM_AMX_ENTRY(gemm_q8_0_amx, tiles::Q8_0)
 
+// The same products with a LoRA expand in their K loop (gemm_grouped.h's LoRAExt).
+#define GEMM_AMX_LORA_ENTRY(name, FMT)                                                                         \
+    extern "C" void name(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, uint16_t* y,  \
+                         int kind, const uint16_t* cos, const uint16_t* sin_signed, int64_t head_dim,           \
+                         int64_t rope_cols, const LoRAExt* lora) {                                              \
+        run<FMT>(x, M, K, packed, N, y, kind, cos, sin_signed, head_dim, rope_cols, lora);                     \
+    }
+GEMM_AMX_LORA_ENTRY(gemm_bf16_amx_lora, tiles::BF16)
+GEMM_AMX_LORA_ENTRY(gemm_q4_1_amx_lora, tiles::Q4_1)
+GEMM_AMX_LORA_ENTRY(gemm_q8_0_amx_lora, tiles::Q8_0)
+
+// Products over bf16 panels in one parallel region: every product's units in one static
+// schedule, so that small products (a LoRA segment's) share the cores instead of each paying a
+// region and leaving a core idle.
+extern "C" void gemm_bf16_amx_grouped(const GemmProblem* problems, int n) {
+    Plan plans[64];
+    int64_t start[65];
+    for (int first = 0; first < n; first += 64) {
+        const int m = std::min(64, n - first);
+        start[0] = 0;
+        for (int i = 0; i < m; ++i) {
+            const GemmProblem& q = problems[first + i];
+            plans[i] = plan(q.x, q.M, q.K, q.packed, q.N, q.y, q.kind, q.cos, q.sin_signed, q.head_dim, q.rope_cols,
+                            nullptr, q.ldy);
+            start[i + 1] = start[i] + (q.M > 0 ? plans[i].units() : 0);
+        }
+        const int64_t total = start[m];
+        #pragma omp parallel
+        {
+            float* scr = thread_scratch();
+            uint16_t* bbuf = thread_bbuf();
+            int configured = -1;
+            int i = 0;
+            #pragma omp for schedule(static)
+            for (int64_t u = 0; u < total; ++u) {
+                while (u >= start[i + 1]) ++i;  // units ascend within a thread's run
+                run_unit(plans[i], u - start[i], scr, bbuf, configured);
+            }
+            if (configured >= 0) _tile_release();
+        }
+    }
+}
+
 extern "C" int gemm_amx_available() { return amx::permitted() ? 1 : 0; }
 #else
 #define GEMM_AMX_STUB(name)                                                                                   \
@@ -220,5 +342,12 @@ extern "C" int gemm_amx_available() { return amx::permitted() ? 1 : 0; }
 GEMM_AMX_STUB(gemm_bf16_amx)
 GEMM_AMX_STUB(gemm_q4_1_amx)
 GEMM_AMX_STUB(gemm_q8_0_amx)
+extern "C" void gemm_bf16_amx_grouped(const GemmProblem*, int) {}
+#define GEMM_AMX_LORA_STUB(name)                                                                              \
+    extern "C" void name(const uint16_t*, int64_t, int64_t, const void*, int64_t, uint16_t*, int,            \
+                         const uint16_t*, const uint16_t*, int64_t, int64_t, const LoRAExt*) {}
+GEMM_AMX_LORA_STUB(gemm_bf16_amx_lora)
+GEMM_AMX_LORA_STUB(gemm_q4_1_amx_lora)
+GEMM_AMX_LORA_STUB(gemm_q8_0_amx_lora)
 extern "C" int gemm_amx_available() { return 0; }
 #endif
