@@ -19,6 +19,7 @@ delta is in the accumulator before the epilogue and the output is written once
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -372,11 +373,18 @@ class LoRABatch:
         return np.array([(slot, self.lo + a, self.lo + b) for slot, a, b in self.segments], dtype=np.int64)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_usable(device: torch.device) -> bool:
+    from kvserve.attention.triton import triton_support
+    return triton_support(device).available
+
+
 class LoRAStep:
     """What LlamaModel.forward needs to add a step's LoRA deltas: the slots and the step's rows."""
 
     def __init__(self, slots: LoRASlots, batch: LoRABatch) -> None:
         self.slots, self.batch = slots, batch
+        self._slots_on_device: torch.Tensor | None = None  # each row's slot, for the Triton kernel
 
     @property
     def rows(self) -> slice:
@@ -395,6 +403,12 @@ class LoRAStep:
         b = self.batch
         a_t, b_t = self.slots.a[layer][group], self.slots.b[layer][group]
         xs = x[b.lo:b.hi]
+        if xs.is_cuda and _triton_usable(xs.device):  # every adapter's rows in two launches
+            from kvserve.model.lora_triton import lora_delta
+            if self._slots_on_device is None:
+                rows = self.row_slots(b.hi)[b.lo:b.hi]
+                self._slots_on_device = torch.from_numpy(rows).to(xs.device)
+            return lora_delta(xs, self._slots_on_device, a_t, b_t)
         if xs.dtype != a_t.dtype:
             xs = xs.to(a_t.dtype)
         if b.pad_len:
