@@ -116,7 +116,7 @@ def mode_memory(args) -> None:
         ("snapkv 4 + 496 + 512", None, {"method": "snapkv", "sink_tokens": 4, "heavy_tokens": 496, "window": 512}),
     ]
     marks = [1024, 2048, 4096, 8192, 12288, 16383]
-    rows = []
+    rows, traces = [], {}  # every step's (length, blocks) for the plot; the JSON keeps every 8th
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for label, sw, comp in configs:
@@ -138,6 +138,7 @@ def mode_memory(args) -> None:
             rows.append({"config": label, "peak_blocks_up_to": at, "prefill_peak_blocks": prefill_peak,
                          "decode_peak_blocks": decode_peak, "released_blocks": released, "seconds": secs,
                          "trace": trace[::8]})
+            traces[label] = trace
             print(f"{label}: decode peak {decode_peak} blocks, prefill peak {prefill_peak}, {secs:.0f} s", flush=True)
             del llm
     print()
@@ -151,9 +152,30 @@ def mode_memory(args) -> None:
     for r in rows:
         print(f"| {r['config']} | " + " | ".join(str(r["peak_blocks_up_to"][m]) for m in marks)
               + f" | {r['prefill_peak_blocks']} | {r['decode_peak_blocks']} | {bounds[r['config']]} |")
+    plot_memory(traces, HERE.parent / "docs" / "long-context-memory.png")
     write_json("memory", {"total_tokens": total, "prompt_tokens": prompt_len, "chunk": chunk, "block_size": BS,
                           "model": "random Llama/Mistral, 2 layers, 4 heads, 2 KV heads, head_dim 32, 32K positions",
                           "rows": rows})
+
+
+def plot_memory(traces: dict[str, list], path: Path) -> None:
+    """Blocks held by the sequence against the length it has reached, one line per config."""
+    from kvserve.tools.plotting import pyplot
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, trace in traces.items():
+        xs, ys = zip(*trace)
+        ax.plot(xs, ys, label=label, linewidth=1.4)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel(f"KV blocks held ({BS} tokens each)")
+    ax.set_yscale("log")
+    ax.set_title("KV held by one 16K-token sequence (prefill in 512-token chunks, then decode)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def text_ids(max_tokens: int) -> list[int]:
