@@ -53,7 +53,7 @@ def test_a_full_queue_answers_503_with_retry_after():
     try:
         async def main():
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-                long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+                long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
 
                 async def gauge(name: str, at_least: float) -> None:
                     while True:

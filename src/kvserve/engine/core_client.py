@@ -181,6 +181,7 @@ class MPClient:
         self._watch: asyncio.TimerHandle | None = None
         self._dead = False
         self._closing = False
+        self._shutdown_sent = False  # SHUTDOWN already on its way (a data-parallel client sends it to all at once)
         root = logging.getLogger()
         fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else None
         # A fresh interpreter on this package (never a fork of one that may hold torch threads,
@@ -283,6 +284,7 @@ class MPClient:
         with self._lock:
             if not self._closing:
                 self._inbox.send(data)
+                self._shutdown_sent |= msg[0] == SHUTDOWN
 
     @property
     def is_alive(self) -> bool:
@@ -319,7 +321,7 @@ class MPClient:
 
     def shutdown(self, timeout: float) -> None:
         with self._lock:
-            if not self._closing and self.proc.poll() is None:
+            if not self._closing and not self._shutdown_sent and self.proc.poll() is None:
                 self._inbox.send(pickle.dumps((SHUTDOWN,)))
             self._closing = True
         try:

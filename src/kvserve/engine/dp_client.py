@@ -249,10 +249,12 @@ class DPClient:
                 if done is not None:
                     replies.append(done)
             everyone_gone = not any(r.alive for r in self.replicas)
-        if self._closing or everyone_gone:
+        if self._closing:
             if everyone_gone:
-                self._report_dead(reason if len(self.clients) == 1 else
-                                  self.exit_reason or f"every data-parallel replica stopped ({reason})")
+                self._report_dead("the server is shutting down")
+            return
+        if everyone_gone:
+            self._report_dead(self.exit_reason or f"every data-parallel replica stopped ({reason})")
             return
         logger.error("data-parallel replica %d stopped (%s): its %d requests fail; the other replicas keep serving",
                      rank, reason, len(lost))
