@@ -158,6 +158,11 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM)
     parallel_tool_calls: bool | None = None  # OpenAI's default is sent by SDKs; no tools are served anyway
+    # kvserve's semantic response cache (--semantic-cache): false bypasses it, true also lets a sampling
+    # request use it; a threshold (cosine similarity) and a TTL (seconds) for this request
+    semantic_cache: bool | None = None
+    semantic_cache_threshold: float | None = None
+    semantic_cache_ttl: float | None = None
 
 
 class TokenizeRequest(_Request):
