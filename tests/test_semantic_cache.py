@@ -199,3 +199,21 @@ def test_server_end_to_end(server):
     assert ask(server, "key-alice", PARAPHRASE).headers["x-kvserve-semantic-cache"] == "miss"
     assert server.metric("kvserve:semantic_cache_hits_total") == 2
     assert server.metric("kvserve:semantic_cache_bypasses_total") == 1
+
+
+def test_concurrent_identical_misses_store_whole_entries(embed):
+    """Two requests that both missed store their answers at once: two good entries, none torn."""
+    from concurrent.futures import ThreadPoolExecutor
+    cache = SemanticCache(None, 384)
+    v = embed(Q)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: cache.insert(key(), None, Q, v, {"content": "Paris."}), range(16)))
+    assert cache.size(None)["entries"] == 16
+    with ThreadPoolExecutor(8) as pool:
+        hits = list(pool.map(lambda i: cache.lookup(key(), v), range(16)))
+    assert all(h.response == {"content": "Paris."} for h in hits)
+
+
+def test_completions_refuse_the_semantic_cache_fields():
+    req = P.CompletionRequest(prompt="x", semantic_cache=True)
+    assert "semantic_cache" in P.COMPLETION_REFUSED and req.model_extra["semantic_cache"] is True

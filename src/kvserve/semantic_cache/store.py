@@ -118,8 +118,9 @@ class Store:
             return row, float(row.embedding @ vec[0])
 
     def row(self, id: int) -> Row | None:
-        r = self.db.execute("SELECT id, key, tenant, query, response, embedding, created, expires, seconds FROM "
-                            "entries WHERE id=?", (id,)).fetchone()
+        with self.lock:
+            r = self.db.execute("SELECT id, key, tenant, query, response, embedding, created, expires, seconds FROM "
+                                "entries WHERE id=?", (id,)).fetchone()
         if r is None:
             return None
         return Row(r[0], r[1], r[2], r[3], r[4], np.frombuffer(r[5], np.float32), r[6], r[7], r[8])
@@ -139,15 +140,14 @@ class Store:
             return len(ids)
 
     def oldest_used(self, n: int) -> list[int]:
-        return [r[0] for r in self.db.execute("SELECT id FROM entries ORDER BY last_used LIMIT ?", (n,))]
+        with self.lock:
+            return [r[0] for r in self.db.execute("SELECT id FROM entries ORDER BY last_used LIMIT ?", (n,))]
 
     def totals(self, tenant: str | None = None) -> tuple[int, int]:
         """(entries, bytes), of one tenant or all."""
-        if tenant is None:
-            r = self.db.execute("SELECT count(*), coalesce(sum(nbytes), 0) FROM entries").fetchone()
-        else:
-            r = self.db.execute("SELECT count(*), coalesce(sum(nbytes), 0) FROM entries WHERE tenant=?",
-                                (tenant,)).fetchone()
+        where, args = ("", ()) if tenant is None else (" WHERE tenant=?", (tenant,))
+        with self.lock:
+            r = self.db.execute(f"SELECT count(*), coalesce(sum(nbytes), 0) FROM entries{where}", args).fetchone()
         return int(r[0]), int(r[1])
 
     def save(self) -> None:
