@@ -193,6 +193,9 @@ def test_server_end_to_end(server):
                      json={"messages": [{"role": "user", "content": Q}], "semantic_cache_threshold": 2}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "semantic_cache_threshold"
     auth = {"Authorization": "Bearer key-alice"}
+    refused = httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=30,
+                         json={"prompt": Q, "max_tokens": 1, "semantic_cache": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "semantic_cache"
     assert httpx.get(f"{server.url}/v1/semantic_cache", timeout=10).status_code == 401
     assert httpx.get(f"{server.url}/v1/semantic_cache", headers=auth, timeout=10).json()["entries"] == 1
     assert httpx.delete(f"{server.url}/v1/semantic_cache", headers=auth, timeout=10).json()["deleted"] == 1

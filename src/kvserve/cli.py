@@ -241,6 +241,9 @@ def _add_serve(sub) -> None:
                    help="how long an entry is served (default: %(default)s)")
     s.add_argument("--semantic-cache-max-entries", type=_positive_int, default=100_000, metavar="N",
                    help="entries kept, least recently used evicted first (default: %(default)s)")
+    s.add_argument("--semantic-cache-max-bytes", type=_size, default=1 << 30, metavar="SIZE",
+                   help="bytes of questions, answers and embeddings kept, least recently used evicted first "
+                        "(default: 1GiB)")
     p.set_defaults(_run=run_serve)
 
 
@@ -296,7 +299,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.semantic_cache is not None:
         from kvserve.server.semantic_cache import SemanticCacheConfig
         semantic = SemanticCacheConfig(ns.semantic_cache or None, ns.semantic_cache_threshold, ns.semantic_cache_ttl,
-                                       ns.semantic_cache_max_entries)
+                                       ns.semantic_cache_max_entries, ns.semantic_cache_max_bytes)
     app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes, dashboard, semantic)
     s = llm.latest_stats
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",
