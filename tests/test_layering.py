@@ -30,6 +30,7 @@ LAYERS = [
     {"model"},
     {"runner"},
     {"engine"},
+    {"semantic_cache"},
     {"tools", "server"},
     {"cli", "__main__", "__init__"},
 ]

@@ -82,6 +82,26 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _unit_interval(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a similarity in (0, 1]")
+    return x
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number > 0")
+    return x
+
+
 def _size(value: str) -> int:
     try:
         return parse_size(value, "--kv-cache-memory")
@@ -211,6 +231,19 @@ def _add_serve(sub) -> None:
     s.add_argument("--shutdown-timeout", type=_non_negative, default=0.0, metavar="SECONDS",
                    help="on SIGTERM / SIGINT, let requests in flight finish for up to SECONDS, then end the "
                         "rest with an error (vLLM's; default 0: end them at once). New requests are refused")
+    s.add_argument("--semantic-cache", nargs="?", const="", default=None, metavar="PATH",
+                   help="answer a chat question that means the same as a cached one (same model, tenant, earlier "
+                        "turns and sampling settings) from the cache, without the model; greedy requests only "
+                        "unless a request opts in. PATH: the SQLite store (default: in memory)")
+    s.add_argument("--semantic-cache-threshold", type=_unit_interval, default=0.9, metavar="SIMILARITY",
+                   help="cosine similarity of the last user message a hit needs, in (0, 1] (default: %(default)s)")
+    s.add_argument("--semantic-cache-ttl", type=_positive_float, default=3600.0, metavar="SECONDS",
+                   help="how long an entry is served (default: %(default)s)")
+    s.add_argument("--semantic-cache-max-entries", type=_positive_int, default=100_000, metavar="N",
+                   help="entries kept, least recently used evicted first (default: %(default)s)")
+    s.add_argument("--semantic-cache-max-bytes", type=_size, default=1 << 30, metavar="SIZE",
+                   help="bytes of questions, answers and embeddings kept, least recently used evicted first "
+                        "(default: 1GiB)")
     p.set_defaults(_run=run_serve)
 
 
@@ -262,7 +295,12 @@ def run_serve(ns: argparse.Namespace) -> int:
                            response_role=ns.response_role, cors=cors, scheduling_policy=args.scheduling_policy,
                            disable_docs=ns.disable_fastapi_docs, max_queued_requests=ns.max_queued_requests,
                            lora_modules=args.lora_module_paths)
-    app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes, dashboard)
+    semantic = None
+    if ns.semantic_cache is not None:
+        from kvserve.server.semantic_cache import SemanticCacheConfig
+        semantic = SemanticCacheConfig(ns.semantic_cache or None, ns.semantic_cache_threshold, ns.semantic_cache_ttl,
+                                       ns.semantic_cache_max_entries, ns.semantic_cache_max_bytes)
+    app = build_app(llm, config, metrics, auth, ns.max_request_body_bytes, dashboard, semantic)
     s = llm.latest_stats
     logger.info("serving %s as %s on http://%s:%d (max_model_len=%d, %d KV blocks of %d tokens, auth %s)",
                 args.model or "embedded SmolLM2-135M-Instruct", ", ".join(names), ns.host, ns.port,

@@ -25,6 +25,7 @@ from kvserve.server import protocol as P
 from kvserve.server.auth import Authenticator, effective_cache_salt
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import APIError
+from kvserve.server.semantic_cache import Headed
 from kvserve.server.serving import OpenAIServing, ServingConfig
 from kvserve.server.sse import EventStreamResponse, sse_event
 from kvserve.server.worker_api import add_worker_routes
@@ -185,11 +186,21 @@ _UNION_SHAPES = {
 }
 
 
+def _semantic(serving: OpenAIServing):
+    if serving.semantic is None:
+        raise APIError("this server has no semantic cache; start it with --semantic-cache", status=404,
+                       type="NotFoundError", code="semantic_cache_off")
+    return serving.semantic
+
+
 def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth: Authenticator,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, dashboard=None) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, dashboard=None, semantic_cache=None) -> FastAPI:
     """dashboard: a DashboardSeries (server/dashboard.py) listening to the steps, or None for no
-    GET /dashboard."""
+    GET /dashboard. semantic_cache: a SemanticCacheConfig (server/semantic_cache.py), or None."""
     serving = OpenAIServing(llm, config)
+    if semantic_cache is not None:
+        from kvserve.server.semantic_cache import SemanticFront
+        serving.semantic = SemanticFront(semantic_cache, metrics.registry)
     if llm.args.kv_transfer_config is not None:
         from kvserve.server.kv_transfer import KVTransfer
         serving.kv_transfer = KVTransfer(llm, metrics.registry)
@@ -200,6 +211,8 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         llm.start(on_loop=True)
         yield
         llm.shutdown()
+        if serving.semantic is not None:
+            serving.semantic.close()
 
     no_docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_docs else {}
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan,
@@ -264,9 +277,12 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         return _error(500, str(e), type="InternalServerError")
 
     async def respond(request: Request, result):
+        headers = None
+        if isinstance(result, Headed):
+            result, headers = result.body, result.headers
         if isinstance(result, dict):
-            return JSONResponse(result)
-        return EventStreamResponse(result, _stream_error)
+            return JSONResponse(result, headers=headers)
+        return EventStreamResponse(result, _stream_error, headers)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: P.CompletionRequest, request: Request, who: str | None = Depends(tenant)):
@@ -281,8 +297,8 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
                                who: str | None = Depends(tenant)):
         salt = effective_cache_salt(who, body.cache_salt)
         if body.stream:
-            return await respond(request, await serving.create_chat_completion(body, salt))
-        result = await _until_disconnect(request, serving.create_chat_completion(body, salt))
+            return await respond(request, await serving.create_chat_completion(body, salt, who))
+        result = await _until_disconnect(request, serving.create_chat_completion(body, salt, who))
         return Response(status_code=499) if result is None else await respond(request, result)
 
     @app.get("/v1/models", response_model=P.ModelList, dependencies=[Depends(tenant)])
@@ -301,6 +317,16 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         @app.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES, dependencies=[Depends(tenant)])
         async def unload_lora_adapter(body: P.UnloadLoRAAdapterRequest):
             return Response(serving.unload_lora_adapter(body.lora_name), media_type="text/plain")
+
+    @app.get("/v1/semantic_cache", responses=ERROR_RESPONSES)
+    async def semantic_cache_size(who: str | None = Depends(tenant)):
+        """The caller's tenant's entries and bytes in the semantic cache."""
+        return _semantic(serving).size(who)
+
+    @app.delete("/v1/semantic_cache", responses=ERROR_RESPONSES)
+    async def semantic_cache_clear(who: str | None = Depends(tenant)):
+        """Removes the caller's tenant's entries, and no one else's."""
+        return await serving.off_loop(_semantic(serving).clear, who)
 
     @app.get("/health")
     async def health():

@@ -124,6 +124,8 @@ GATEWAY_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "separ
 COMPLETION_REFUSED = {
     "response_format": "structured output (JSON mode, JSON schema) is not implemented; only plain text is generated",
     **dict.fromkeys(("tools", "tool_choice"), "tool calling is not implemented"),
+    **dict.fromkeys(("semantic_cache", "semantic_cache_threshold", "semantic_cache_ttl"),
+                    "the semantic cache serves chat completions (/v1/chat/completions) only"),
 }
 # (spaces_between_special_tokens and reasoning_effort change nothing for the fast tokenizers and
 # chat templates kvserve serves: unknown to it, they are logged and ignored, as vLLM ignores them.)
@@ -158,6 +160,11 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM)
     parallel_tool_calls: bool | None = None  # OpenAI's default is sent by SDKs; no tools are served anyway
+    # kvserve's semantic response cache (--semantic-cache): false bypasses it, true also lets a sampling
+    # request use it; a threshold (cosine similarity) and a TTL (seconds) for this request
+    semantic_cache: bool | None = None
+    semantic_cache_threshold: float | None = None
+    semantic_cache_ttl: float | None = None
 
 
 class TokenizeRequest(_Request):

@@ -26,6 +26,9 @@ from kvserve.engine.outputs import RequestError
 from kvserve.model.tokenizer import TokenizerError, check_chat_template_kwargs
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
+from kvserve.server.semantic_cache import HEADER as SEMANTIC_HEADER
+from kvserve.server.semantic_cache import Headed
+from kvserve.server.semantic_cache import check_request as check_semantic
 from kvserve.server.sse import ChunkTemplate, chat_chunk, sse_event
 
 logger = logging.getLogger("kvserve.server")
@@ -83,6 +86,7 @@ class OpenAIServing:
         self._lora_ids = itertools.count(1)
         self.token_text = llm.token_text
         self.kv_transfer = None  # KVTransfer (kv_transfer.py) when --kv-transfer-config is set: build_app's
+        self.semantic = None  # SemanticFront (semantic_cache.py) when --semantic-cache is set: build_app's
         # Tokenizing (and rendering chat templates) runs here, off the event loop: a 10 MB prompt
         # takes seconds to tokenize, during which /health and every stream must keep answering.
         # The tokenizers library releases the GIL while it encodes.
@@ -420,8 +424,10 @@ class OpenAIServing:
         except Exception as e:  # a template's own raise_exception(), e.g. roles out of order
             raise APIError(f"messages: the chat template rejected them: {e}", param="messages") from None
 
-    async def create_chat_completion(self, req: P.ChatCompletionRequest, cache_salt: str | None):
+    async def create_chat_completion(self, req: P.ChatCompletionRequest, cache_salt: str | None,
+                                     tenant: str | None = None):
         self._check_common(req, {"echo": "echo is not implemented for chat completions"})
+        check_semantic(req, self.semantic is not None)
         if req.tools:
             raise APIError("tools are not supported by kvserve; remove tools/tool_choice", param="tools")
         if req.tool_choice not in (None, "none"):  # vLLM: "When using `tool_choice`, `tools` must be set."
@@ -446,23 +452,34 @@ class OpenAIServing:
         max_tokens = self._check_length(len(ids), requested, "messages")
         params = [self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                         prompt_logprobs=req.prompt_logprobs)]
+        semantic = self.semantic.plan(req, cache_salt, tenant, self._served_name(req), params[0]) if self.semantic else None
+        if semantic is not None:
+            hit = await self.semantic.lookup(semantic)
+            if hit is not None:
+                return self.semantic.hit_response(req, hit, self._served_name(req), self.config.response_role, len(ids))
         transfer = self.kv_transfer.plan(req, 1) if self.kv_transfer else None
         admitted = await self._admit([ids], self.kv_transfer.sampling(transfer, params, req) if transfer else params,
                                      req, cache_salt, "chatcmpl")
         if req.stream:
-            return self._stream_chat(req, admitted, len(ids), transfer)
+            stream = self._stream_chat(req, admitted, len(ids), transfer, semantic)
+            return stream if semantic is None else Headed(stream, {SEMANTIC_HEADER: "miss"})
         out = (await self._collect(admitted))[0]
+        if semantic is not None:
+            o = out.outputs[0]
+            self.semantic.store(semantic, o.text, o.finish_reason, o.stop_reason)
         choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(role=self.config.response_role, content=o.text),
                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                 logprobs=self._chat_logprobs(o.token_ids, o.logprobs, req.top_logprobs))
                    for o in out.outputs]
         response = P.ChatCompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
                                             usage=self._usage([out]), prompt_logprobs=self._prompt_logprobs(out))
-        return self._with_transfer(response.model_dump(), transfer, [out])
+        body = self._with_transfer(response.model_dump(), transfer, [out])
+        return body if semantic is None else Headed(body, {SEMANTIC_HEADER: "miss"})
 
     async def _stream_chat(self, req: P.ChatCompletionRequest, admitted: _Admitted,
-                           prompt_len: int, transfer=None) -> AsyncIterator[str]:
+                           prompt_len: int, transfer=None, semantic=None) -> AsyncIterator[str]:
         try:
+            text: list[str] = []  # the answer, for the semantic cache
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             rid, model, created = admitted.request_id, self._served_name(req), int(time.time())
@@ -482,6 +499,10 @@ class OpenAIServing:
                         continue
                     if o.finish_reason:
                         finished.add(o.index)
+                    if semantic is not None:
+                        text.append(o.delta_text)
+                        if o.finish_reason:
+                            self.semantic.store(semantic, "".join(text), o.finish_reason, o.stop_reason)
                     if not o.delta_text and not o.finish_reason and not o.delta_logprobs:
                         continue
                     if o.delta_logprobs is None and not (include_usage and continuous):

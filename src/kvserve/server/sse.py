@@ -73,12 +73,14 @@ class EventStreamResponse(Response):
     propagate (a bug: the server logs it and closes the connection).
     """
 
-    def __init__(self, events: AsyncIterator[str], on_error: Callable[[BaseException], list[str] | None]):
+    def __init__(self, events: AsyncIterator[str], on_error: Callable[[BaseException], list[str] | None],
+                 headers: dict[str, str] | None = None):
         # A Response (FastAPI returns those as they are), but none of its body machinery.
         self.events, self.on_error, self.background = events, on_error, None
+        self.extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS + self.extra})
         writer = asyncio.ensure_future(self._write(send))
         watcher = asyncio.ensure_future(self._disconnect(receive))
         try:
