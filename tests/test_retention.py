@@ -372,3 +372,31 @@ def test_retention_parses_and_defaults():
     assert sp.cache_retention == CacheRetention(80, 600.0)
     assert SamplingParams(cache_retention={"ttl_s": 0}).cache_retention == CacheRetention(DEFAULT_PRIORITY, 0.0)
     assert SamplingParams().cache_retention is None
+
+
+def test_metrics_count_evictions_by_class_and_ttl_expiries():
+    from prometheus_client import generate_latest
+    from server_util import parse_metrics
+
+    from kvserve.engine.async_engine import StepEvent
+    from kvserve.engine.outputs import EngineStats
+    from kvserve.server.metrics import ServerMetrics
+    m = ServerMetrics("my-model", 1024)
+    m(StepEvent(EngineStats(num_blocks_total=100, num_blocks_free=100), [], [], 0.0))
+    m(StepEvent(EngineStats(num_blocks_total=100, num_blocks_free=100, num_cached_block_evictions=9,
+                            evictions_by_class={"expired": 2, "low": 5, "high": 2}), [], [], 1.0))
+    s = parse_metrics(generate_latest(m.registry).decode())
+    label = 'engine="0",model_name="my-model"'
+    assert s['kvserve:kv_cache_evictions_total{' + label + ',retention_class="low"}'] == 5
+    assert s['kvserve:kv_cache_evictions_total{' + label + ',retention_class="expired"}'] == 2
+    assert s['kvserve:kv_cache_ttl_expiries_total{' + label + '}'] == 2
+    assert s['kvserve:cached_block_evictions_total{' + label + '}'] == 9
+
+
+def test_engine_stats_carry_the_pools_evictions():
+    pool, _ = cached_pool(Clock(), CacheRetention(10), CacheRetention(90))
+    pool.allocate()
+    assert pool.evictions() == {"low": 1}
+    lru, _ = cached_pool(Clock(), None, None)
+    lru.allocate()
+    assert not lru.retained and lru.evictions() == {"default": 1}
