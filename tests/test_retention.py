@@ -400,3 +400,36 @@ def test_engine_stats_carry_the_pools_evictions():
     lru, _ = cached_pool(Clock(), None, None)
     lru.allocate()
     assert not lru.retained and lru.evictions() == {"default": 1}
+
+
+def test_tenant_default_retention_from_the_api_keys_file(tmp_path):
+    import json
+
+    from kvserve.server.auth import Authenticator, load_api_keys
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([
+        {"key": "k-premium", "tenant": "premium", "cache_retention": {"priority": 90, "ttl_s": 600}},
+        {"key": "k-premium-2", "tenant": "premium", "cache_retention": {"priority": 90, "ttl_s": 600}},
+        {"key": "k-free", "tenant": "free", "cache_retention": {"priority": 10}},
+        {"key": "k-plain", "tenant": "plain"}]))
+    auth = Authenticator(load_api_keys(None, str(path)))
+    assert auth.default_retention(auth.authenticate("Bearer k-premium-2").tenant) == CacheRetention(90, 600.0)
+    assert auth.default_retention("free") == CacheRetention(10)
+    assert auth.default_retention("plain") is None and auth.default_retention(None) is None
+
+
+@pytest.mark.parametrize("entries, needle", [
+    ([{"key": "a", "tenant": "t", "cache_retention": {"priority": 500}}], "entry 0: cache_retention.priority"),
+    ([{"key": "a", "tenant": "t", "cache_retention": {"ttl_s": -1}}], "entry 0: cache_retention.ttl_s"),
+    ([{"key": "a", "tenant": "t", "cache_retention": {"priority": 20}}, {"key": "b", "tenant": "t"}],
+     "tenant 't' has keys with different cache_retention"),
+])
+def test_bad_tenant_retention_is_a_config_error(tmp_path, entries, needle):
+    import json
+
+    from kvserve.config import ConfigError
+    from kvserve.server.auth import load_api_keys
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(entries))
+    with pytest.raises(ConfigError, match=needle):
+        load_api_keys(None, str(path))
