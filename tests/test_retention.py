@@ -433,3 +433,35 @@ def test_bad_tenant_retention_is_a_config_error(tmp_path, entries, needle):
     path.write_text(json.dumps(entries))
     with pytest.raises(ConfigError, match=needle):
         load_api_keys(None, str(path))
+
+
+def test_simulate_replays_retention_and_keeps_the_premium_prefix():
+    """`kvserve simulate` with the same policy: premium conversations (one shared system prompt,
+    priority 90) between bursts of unique free prompts (priority 10) that overflow the pool."""
+    import random
+
+    from kvserve.tools import simulate as sim
+    from kvserve.tools.workload import Conversation, Trace, Turn
+    rng = random.Random(0)
+    system = [rng.randrange(100, 1000) for _ in range(160)]
+
+    def trace(retained: bool) -> Trace:
+        convs = []
+        for i in range(12):
+            t = i * 1.0
+            convs.append(Conversation(f"p{i}", t, [Turn(system + [1000 + i], 2)],
+                                      cache_retention={"priority": 90} if retained else None))
+            for j in range(4):
+                convs.append(Conversation(f"f{i}-{j}", t + 0.1 + 0.01 * j,
+                                          [Turn([rng.randrange(100, 1000) for _ in range(120)], 2)],
+                                          cache_retention={"priority": 10} if retained else None))
+        return Trace(convs, "synthetic: two tenants")
+
+    def hit_rate(retained: bool) -> float:
+        res = sim.simulate(trace(retained), sim.SimConfig(block_size=16, num_blocks=40), 256, check_integrity=True)
+        assert res.error is None and res.num_requests == 60
+        return res.prefix_hit_rate
+
+    every_premium_hit = 11 * len(system) / (12 * (len(system) + 1) + 48 * 120)
+    assert hit_rate(True) >= every_premium_hit  # the prefix is never evicted (plus stray partial hits)
+    assert hit_rate(False) < 0.9 * every_premium_hit  # under LRU the bursts flush it
