@@ -69,6 +69,11 @@ CASES = [
     ("kv-compression-observation", COMPLETIONS, {"prompt": "x", "kv_compression": {
         "method": "snapkv", "heavy_tokens": 64, "window": 64, "observation_tokens": 0}}, 400,
      ["kv_compression.observation_tokens", ">= 1"], "kv_compression.observation_tokens"),
+    ("cache-retention-priority", COMPLETIONS, {"prompt": "x", "cache_retention": {"priority": 101}}, 400,
+     ["cache_retention.priority", "[0, 100]"], "cache_retention.priority"),
+    ("cache-retention-ttl", CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                   "cache_retention": {"priority": 80, "ttl_s": -5}}, 400,
+     ["cache_retention.ttl_s", ">= 0"], "cache_retention.ttl_s"),
     ("negative-token", COMPLETIONS, {"prompt": [-1]}, 400, ["[0, 49152)"], "prompt"),
     ("top-p-zero", COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, ["top_p"], "top_p"),
     ("temperature-over-2", COMPLETIONS, {"prompt": "x", "temperature": 9}, 400, ["temperature", "2"], "temperature"),
@@ -352,6 +357,13 @@ def test_no_tracebacks_after_all_of_the_above(server):
     """Disconnects and bad input are normal events: nothing in this module may log a traceback."""
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_request_with_cache_retention_is_served(server):
+    body = {"prompt": "A shared system prompt. " * 8, "max_tokens": 2, "cache_retention": {"priority": 90, "ttl_s": 60}}
+    assert post(server, COMPLETIONS, body).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "cache_retention": {"priority": 5}}
+    assert post(server, CHAT, chat).status_code == 200
 
 
 def test_compressed_request_reports_attended_tokens(server):

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from kvserve.core.cache_retention import CacheRetention, CacheRetentionError, parse_cache_retention
 from kvserve.core.kv_compression import KVCompression, KVCompressionError, parse_kv_compression
 
 # Below this temperature a request samples greedily (the sampler takes the argmax).
@@ -55,6 +56,9 @@ class SamplingParams:
     # Release KV blocks as the sequence grows (core/kv_compression.py): a dict such as
     # {"method": "streaming", "sink_tokens": 4, "window": 1024}, made a KVCompression here.
     kv_compression: KVCompression | dict | None = None
+    # How long the blocks this request leaves in the prefix cache stay ahead of others
+    # (core/cache_retention.py): a dict such as {"priority": 80, "ttl_s": 600}.
+    cache_retention: CacheRetention | dict | None = None
     # Disaggregated prefill (vLLM's kv_transfer_params; vLLM carries them in extra_args): a request
     # with do_remote_decode leaves its prompt's KV in the transfer layer when it finishes.
     kv_transfer_params: dict | None = None
@@ -90,6 +94,10 @@ class SamplingParams:
         try:
             self.kv_compression = parse_kv_compression(self.kv_compression)
         except KVCompressionError as e:
+            raise SamplingParamsError(str(e)) from None
+        try:
+            self.cache_retention = parse_cache_retention(self.cache_retention)
+        except CacheRetentionError as e:
             raise SamplingParamsError(str(e)) from None
         # Refused when made, as vLLM does; the engine checks again against its own limits.
         self.validate(max_logprobs=sys.maxsize, max_n=sys.maxsize)

@@ -610,7 +610,7 @@ class LLMEngine:
             last_step_tokens=self.last_step_tokens, spec_decode_num_drafts=self.scheduler.num_drafts,
             spec_decode_num_draft_tokens=self.scheduler.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.scheduler.num_accepted_tokens,
-            kv_released_blocks=dict(self.kv.num_released))
+            kv_released_blocks=dict(self.kv.num_released), evictions_by_class=self.kv.pool.evictions())
         if self.runner.lora is not None:
             def names(reqs) -> tuple[str, ...]:
                 return tuple(sorted({r.lora_id.rpartition("@")[0] for r in reqs if r.lora_id is not None}))

@@ -131,6 +131,8 @@ class EngineStats:
     resume_prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_cached_block_evictions: int = 0
+    # The same by the evicted block's retention class: expired, low, default, high (kv/block_pool.py)
+    evictions_by_class: dict[str, int] = field(default_factory=dict)
     prompt_tokens_total: int = 0
     # Prompt tokens at first admission: from the prefix cache / to prefill (vllm:prompt_tokens_by_source)
     prompt_tokens_cached_total: int = 0

@@ -4,9 +4,11 @@ A block is in exactly one of three states:
   used    ref_cnt > 0: in some request's block table;
   cached  ref_cnt == 0 but holding K/V the prefix cache can still serve (it sits in the free queue);
   free    ref_cnt == 0 and empty.
-The free queue holds both cached and free blocks, oldest first. Empty blocks go to the front so they
-are handed out before any cached content is given up; a block whose last user leaves goes to the
-back, so the least recently used cached block is evicted first.
+The free queue holds both cached and free blocks. Empty blocks are handed out before any cached
+content is given up; which cached block goes first is the eviction policy's (kv/eviction/): LRU by
+default, or by the retention priority and TTL requests give their blocks (`cache_retention`). The
+pool starts with LRU and moves to the priority policy the first time a request frees blocks with a
+retention other than the default, so a server whose requests set none keeps LRU's order and cost.
 
 Index: full blocks by chain hash (`cached`), and every block holding tokens by the hash of the
 prefix it extends (`children`). The second index is what lets a new request reuse the first
@@ -14,12 +16,19 @@ tokens of a *partial* block, or of a full block it only shares in part.
 """
 from __future__ import annotations
 
+import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from kvserve.core.cache_retention import DEFAULT as DEFAULT_RETENTION
+from kvserve.core.cache_retention import DEFAULT_PRIORITY, CacheRetention
 from kvserve.kv.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
+from kvserve.kv.eviction import make_policy
+from kvserve.kv.eviction.lru import LRU
+from kvserve.kv.eviction.priority import Priority
+
+UNSET = -1  # a block's priority before any request has left it
 
 
 @dataclass(eq=False)
@@ -37,6 +46,10 @@ class Block:
     # For the dashboard's prefix tree: prefix-cache hits on this content, and when its last user left.
     hits: int = 0
     last_used: float = 0.0
+    # Retention of its content (core/cache_retention.py): the highest priority among the requests
+    # that used it (UNSET until the first leaves it), and when that lapses (monotonic s; inf: never).
+    priority: int = UNSET
+    expires: float = math.inf
 
     @property
     def has_content(self) -> bool:
@@ -45,13 +58,17 @@ class Block:
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int,
-                 on_evict: Callable[[Block], None] | None = None, events: KVEventSink | None = None) -> None:
+                 on_evict: Callable[[Block], None] | None = None, events: KVEventSink | None = None,
+                 eviction_policy: str = "lru", clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.clock = clock
+        self.free_queue = make_policy(eviction_policy, self.blocks, clock)
+        # The LRU policy is an OrderedDict: the hot paths below use its methods directly.
+        self._lru = isinstance(self.free_queue, LRU)
         self.cached: dict[bytes, Block] = {}
         self.children: dict[bytes, dict[int, Block]] = {}
         self.num_cached_free = 0  # blocks with ref 0 that still hold content
@@ -59,6 +76,8 @@ class BlockPool:
         # O(1) each step, where summing it meant walking every block of every request.
         self.num_filled_used = 0
         self.num_evictions = 0
+        # Evictions by the evicted block's class (retention_class); under LRU every block is "default".
+        self.evictions_by_class: dict[str, int] = {}
         self.on_evict = on_evict  # called before a cached block's content is dropped (offload tiers)
         self.events = events  # BlockStored / BlockRemoved / AllBlocksCleared, medium "GPU"
 
@@ -76,10 +95,16 @@ class BlockPool:
     def allocate(self) -> Block:
         if not self.free_queue:
             raise RuntimeError("BlockPool.allocate: no free block (caller must check num_free_blocks)")
-        _, block = self.free_queue.popitem(last=False)
+        if self._lru:
+            _, block = self.free_queue.popitem(last=False)
+        else:
+            block = self.free_queue.take_next()
         if block.has_content:
             self.num_cached_free -= 1
             self.num_evictions += 1
+            if not self._lru:
+                cls = "expired" if self.free_queue.last_expired else retention_class(block.priority)
+                self.evictions_by_class[cls] = self.evictions_by_class.get(cls, 0) + 1
             if self.on_evict is not None:
                 self.on_evict(block)
             self._drop_content(block)
@@ -91,7 +116,10 @@ class BlockPool:
     def touch(self, block: Block) -> None:
         """Take a reference on a block found in the prefix cache."""
         if block.ref_cnt == 0:
-            del self.free_queue[block.block_id]
+            if self._lru:
+                del self.free_queue[block.block_id]
+            else:
+                self.free_queue.take(block)
             if block.has_content:
                 self.num_cached_free -= 1
             self.num_filled_used += block.num_filled
@@ -103,10 +131,28 @@ class BlockPool:
         self.num_filled_used += num_filled - block.num_filled
         block.num_filled = num_filled
 
-    def free(self, blocks: Iterable[Block]) -> None:
+    @property
+    def retained(self) -> bool:
+        """Whether the priority policy orders the cached blocks (else LRU)."""
+        return not self._lru
+
+    def evictions(self) -> dict[str, int]:
+        """Evictions so far by retention class ("expired", "low", "default", "high")."""
+        if not self.retained:
+            return {"default": self.num_evictions} if self.num_evictions else {}
+        return dict(self.evictions_by_class)
+
+    def free(self, blocks: Iterable[Block], retention: CacheRetention | None = DEFAULT_RETENTION) -> None:
         """Drop one reference on each block. Callers pass a request's blocks tail first, so that
-        its least shareable blocks are evicted before its prefix."""
-        now = time.monotonic()
+        its least shareable blocks are evicted before its prefix. `retention`: the releasing
+        request's (None: leave each block's as it is); the block keeps the higher of its own and
+        this one while its own TTL runs."""
+        if not self._lru or (retention is not None and retention is not DEFAULT_RETENTION
+                             and (retention.priority != DEFAULT_PRIORITY or retention.ttl_s is not None)):
+            self._free_retained(blocks, retention)
+            return
+        now = self.clock()
+        queue = self.free_queue
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
@@ -114,12 +160,54 @@ class BlockPool:
             if block.ref_cnt == 0:
                 block.last_used = now
                 self.num_filled_used -= block.num_filled
+                queue[block.block_id] = block
                 if block.has_content:
-                    self.free_queue[block.block_id] = block
                     self.num_cached_free += 1
                 else:
-                    self.free_queue[block.block_id] = block
-                    self.free_queue.move_to_end(block.block_id, last=False)
+                    queue.move_to_end(block.block_id, last=False)
+
+    def _free_retained(self, blocks: Iterable[Block], retention: CacheRetention | None) -> None:
+        if not self.retained:
+            self._use_priority()
+        now = self.clock()
+        if retention is not None:
+            p = retention.priority
+            expires = math.inf if retention.ttl_s is None else now + retention.ttl_s
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
+            if block.has_content:
+                if retention is None:
+                    if block.priority == UNSET:
+                        block.priority = DEFAULT_PRIORITY
+                elif p > block.priority or block.expires <= now:
+                    block.priority, block.expires = p, expires
+                elif p == block.priority and expires > block.expires:
+                    block.expires = expires
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                block.last_used = now
+                self.num_filled_used -= block.num_filled
+                if block.has_content:
+                    self.free_queue.push_cached(block)
+                    self.num_cached_free += 1
+                else:
+                    self.free_queue.push_empty(block)
+
+    def _use_priority(self) -> None:
+        """Move from LRU to the priority policy, keeping the queue's order: every cached block so
+        far has the default retention, so LRU order is the new policy's order too."""
+        old = self.free_queue.ordered()
+        self.free_queue = Priority((), self.clock)
+        self._lru = False
+        for block in old:
+            if block.has_content:
+                block.priority = DEFAULT_PRIORITY
+                self.free_queue.push_cached(block)
+        for block in reversed([b for b in old if not b.has_content]):
+            self.free_queue.push_empty(block)
+        if self.num_evictions:
+            self.evictions_by_class["default"] = self.num_evictions
 
     # -- prefix-cache index ---------------------------------------------------------------------
     def record_tokens(self, block: Block, parent_hash: bytes, token_ids: list[int]) -> None:
@@ -161,7 +249,7 @@ class BlockPool:
         if self.events is not None:
             self.events.add(AllBlocksCleared(MEDIUM_DEVICE))
         # Restore the plain id order so a reset pool behaves like a new one.
-        self.free_queue = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue.reset(self.blocks)
         return True
 
     def _drop_content(self, block: Block, quiet: bool = False) -> None:
@@ -178,3 +266,10 @@ class BlockPool:
         block.block_hash = None
         block.parent_hash = None
         block.token_ids = []
+        block.priority = UNSET
+        block.expires = math.inf
+
+
+def retention_class(priority: int) -> str:
+    """The metric label of a priority: below, at or above the default."""
+    return "default" if priority == DEFAULT_PRIORITY else "low" if priority < DEFAULT_PRIORITY else "high"

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
+from kvserve.core.cache_retention import DEFAULT as DEFAULT_RETENTION
 from kvserve.core.kv_compression import KVCompression
 from kvserve.core.request import Request
 from kvserve.core.step import BlockCopy, BlockOffload, BlockRestore
@@ -84,7 +85,8 @@ class KVCacheManager:
                  kv_cache_dtype: str = "auto",
                  on_evict: Callable[[Block], None] | None = None,
                  tiers: "TierChain | None" = None, events: KVEventSink | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, eviction_policy: str = "lru",
+                 clock: Callable[[], float] | None = None) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_caching = enable_caching
@@ -93,7 +95,8 @@ class KVCacheManager:
         self._user_on_evict = on_evict
         offload = tiers is not None and enable_caching and bool(tiers.tiers)
         self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict if offload else on_evict,
-                              events=events if enable_caching else None)
+                              events=events if enable_caching else None, eviction_policy=eviction_policy,
+                              **({"clock": clock} if clock is not None else {}))
         self.req_blocks: dict[str, list[Block]] = {}
         # Each request's block ids, extended as its blocks are (a request's blocks are only ever
         # appended, and dropped all at once): block_table() copies a list of ints instead of
@@ -323,7 +326,7 @@ class KVCacheManager:
         """End of scheduling: this step's tier reads and writes; copy sources are unpinned (the
         runner copies before anything can write into them again)."""
         if self._pinned:
-            self.pool.free(self._pinned)
+            self.pool.free(self._pinned, None)  # the request that copies them frees its own
             self._pinned = []
         offloads, self._offloads = self._offloads, []
         restores, self._restores = self._restores, []
@@ -461,7 +464,7 @@ class KVCacheManager:
         if reason != SLIDING_WINDOW:
             self._inexact.add(rid)  # what it computes from now on attends to a cut context
         drop_set = set(drop)
-        self.pool.free(reversed([blocks[i] for i in drop]))
+        self.pool.free(reversed([blocks[i] for i in drop]), req.sampling_params.cache_retention or DEFAULT_RETENTION)
         self.req_blocks[rid] = [b for i, b in enumerate(blocks) if i not in drop_set]
         self._block_ids[rid] = [b.block_id for b in self.req_blocks[rid]]
         self._logical[rid] = [j for i, j in enumerate(logical) if i not in drop_set]
@@ -482,7 +485,7 @@ class KVCacheManager:
         self._inexact.discard(req.request_id)
         self._scores.pop(req.request_id, None)
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free(reversed(blocks), req.sampling_params.cache_retention or DEFAULT_RETENTION)
 
     def forget(self, req: Request) -> None:
         """The request has left the engine for good."""
@@ -550,6 +553,13 @@ class KVCacheManager:
         used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
         filled = sum(b.num_filled for b in pool.blocks if b.ref_cnt > 0)
         assert pool.num_filled_used == filled, f"filled slots counted {pool.num_filled_used}, held {filled}"
+        if pool.retained:
+            order = pool.free_queue.ordered()
+            assert len(order) == pool.num_free_blocks, "eviction order lists every free block once"
+            now = pool.clock()
+            keys = [(-2, 0.0) if not b.has_content else (-1 if b.expires <= now else b.priority, b.last_used)
+                    for b in order]
+            assert keys == sorted(keys), f"eviction order not by (expired, priority, last use): {keys}"
         free = pool.num_free_blocks - num_cached
         assert free + used + num_cached == pool.num_blocks, (free, used, num_cached, pool.num_blocks)
 

@@ -276,6 +276,11 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
     async def step_failed(_: Request, e: EngineStepError):
         return _error(500, str(e), type="InternalServerError")
 
+    def _tenant_retention(body: P._SamplingRequest, who: str | None) -> None:
+        """A request that gives no cache_retention takes its tenant's (--api-keys-file)."""
+        if body.cache_retention is None and (default := auth.default_retention(who)) is not None:
+            body.cache_retention = default.as_dict()
+
     async def respond(request: Request, result):
         headers = None
         if isinstance(result, Headed):
@@ -287,6 +292,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: P.CompletionRequest, request: Request, who: str | None = Depends(tenant)):
         salt = effective_cache_salt(who, body.cache_salt)
+        _tenant_retention(body, who)
         if body.stream:
             return await respond(request, await serving.create_completion(body, salt))
         result = await _until_disconnect(request, serving.create_completion(body, salt))
@@ -296,6 +302,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
     async def chat_completions(body: P.ChatCompletionRequest, request: Request,
                                who: str | None = Depends(tenant)):
         salt = effective_cache_salt(who, body.cache_salt)
+        _tenant_retention(body, who)
         if body.stream:
             return await respond(request, await serving.create_chat_completion(body, salt, who))
         result = await _until_disconnect(request, serving.create_chat_completion(body, salt, who))

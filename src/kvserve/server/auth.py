@@ -15,19 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.config import ConfigError
+from kvserve.core.cache_retention import CacheRetention, CacheRetentionError, parse_cache_retention
 
 
 @dataclass(frozen=True)
 class ApiKey:
     key: str
     tenant: str | None  # None: the shared default tenant (keys given with --api-key)
+    # The tenant's cache_retention for requests that give none (the JSON list form's "cache_retention")
+    cache_retention: CacheRetention | None = None
 
 
 def load_api_keys(keys: list[str] | None, keys_file: str | None) -> list[ApiKey]:
     """--api-key values (default tenant) plus --api-keys-file entries.
 
-    File formats: a JSON object {"key": "tenant", ...}, a JSON list of {"key": ..., "tenant": ...},
-    or text lines `KEY [TENANT]` (# comments, blank lines skipped). A key listed without a tenant
+    File formats: a JSON object {"key": "tenant", ...}, a JSON list of {"key": ..., "tenant": ...,
+    "cache_retention": {"priority": 80, "ttl_s": 600}} (the last optional: the tenant's default), or text lines `KEY [TENANT]` (# comments, blank lines skipped). A key listed without a tenant
     in the file is its own tenant, so file keys never share a cache by accident.
     """
     result = [ApiKey(k, None) for k in (keys or [])]
@@ -42,6 +45,12 @@ def load_api_keys(keys: list[str] | None, keys_file: str | None) -> list[ApiKey]
             raise ConfigError(f"--api-keys-file: key {k.key[:4]}... is mapped to two tenants "
                               f"({seen[k.key]!r} and {k.tenant!r}); give each key one tenant")
         seen[k.key] = k.tenant
+    retention: dict[str | None, CacheRetention | None] = {}
+    for k in result:
+        if k.tenant in retention and retention[k.tenant] != k.cache_retention:
+            raise ConfigError(f"--api-keys-file: tenant {k.tenant!r} has keys with different cache_retention "
+                              f"({retention[k.tenant]} and {k.cache_retention}); give every key of a tenant the same")
+        retention[k.tenant] = k.cache_retention
     return result
 
 
@@ -64,12 +73,16 @@ def _parse_keys_file(path: Path) -> list[ApiKey]:
                 if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
                     raise ConfigError(f"--api-keys-file {path}: entry {i} must be an object with a string \"key\" "
                                       "(and optionally \"tenant\")")
-                items.append((entry["key"], entry.get("tenant")))
+                try:
+                    retention = parse_cache_retention(entry.get("cache_retention"), f"entry {i}: cache_retention")
+                except CacheRetentionError as e:
+                    raise ConfigError(f"--api-keys-file {path}: {e}") from None
+                items.append((entry["key"], entry.get("tenant"), retention))
         keys = []
-        for key, tenant in items:
+        for key, tenant, *retention in items:
             if not isinstance(key, str) or not key or not (tenant is None or isinstance(tenant, str)):
                 raise ConfigError(f"--api-keys-file {path}: keys and tenants must be non-empty strings")
-            keys.append(ApiKey(key, tenant if tenant else key))
+            keys.append(ApiKey(key, tenant if tenant else key, retention[0] if retention else None))
         return keys
     keys = []
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -88,6 +101,11 @@ def _parse_keys_file(path: Path) -> list[ApiKey]:
 class Authenticator:
     def __init__(self, keys: list[ApiKey]):
         self._keys = [(k.key.encode(), k) for k in keys]
+        self._retention = {k.tenant: k.cache_retention for k in keys if k.cache_retention is not None}
+
+    def default_retention(self, tenant: str | None) -> CacheRetention | None:
+        """The tenant's cache_retention for requests that give none (None: the server's default)."""
+        return self._retention.get(tenant)
 
     @property
     def enabled(self) -> bool:

@@ -137,6 +137,11 @@ class ServerMetrics:
                                      "KV slots holding tokens / slots in referenced blocks (0..1); 1 - internal fragmentation.")
         self.host_usage = gauge("kvserve:host_tier_usage_perc", "Fraction (0..1) of the host KV tier in use.")
         self.evictions = counter("kvserve:cached_block_evictions", "Cached-only blocks evicted to make room.")
+        self.evictions_by_class = counter(
+            "kvserve:kv_cache_evictions", "Cached blocks evicted, by retention class (cache_retention priority "
+            "below / at / above the default 50, or past its TTL).", L + ["retention_class"])
+        self.ttl_expiries = counter("kvserve:kv_cache_ttl_expiries",
+                                    "Cached blocks evicted after their cache_retention TTL ran out.")
         self.tier_hits = counter("kvserve:prefix_cache_hits_by_tier", "Prefix-cache hit tokens by source tier.",
                                  L + ["tier"])
         self.resume_queries = counter("kvserve:resume_prefix_cache_queries",
@@ -245,6 +250,10 @@ class ServerMetrics:
             self.iteration_tokens.labels(*m).observe(s.last_step_tokens)
         self._last[rank, "steps"] = s.num_steps
         self._advance(rank, "ev", self.evictions.labels(*m), s.num_cached_block_evictions)
+        by_class = getattr(s, "evictions_by_class", {})
+        for cls, n in by_class.items():
+            self._advance(rank, "evc:" + cls, self.evictions_by_class.labels(*m, cls), n)
+        self._advance(rank, "ttl", self.ttl_expiries.labels(*m), by_class.get("expired", 0))
         self._advance(rank, "pt", self.prompt_tokens.labels(*m), s.prompt_tokens_total)
         self._advance(rank, "ptc", self.prompt_tokens_cached.labels(*m), s.prompt_tokens_cached_total)
         self._advance(rank, "pts:hit", self.prompt_tokens_by_source.labels(*m, "local_cache_hit"), s.prompt_tokens_cached_total)

@@ -85,6 +85,9 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
     # kvserve's: KV compression of this request (core/kv_compression.py), checked by SamplingParams
     kv_compression: dict | None = None
+    # kvserve's: how long the blocks this request leaves in the prefix cache stay ahead of others
+    # (core/cache_retention.py, {"priority": 0..100, "ttl_s": N}), checked by SamplingParams
+    cache_retention: dict | None = None
     # vLLM's disaggregated prefill/decode handshake (server/kv_transfer.py)
     kv_transfer_params: dict | None = None
 

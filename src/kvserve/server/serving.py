@@ -251,7 +251,7 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
-                kv_compression=req.kv_compression)
+                kv_compression=req.kv_compression, cache_retention=req.cache_retention)
             params.validate(max_logprobs=self.config.max_logprobs, max_n=P.MAX_N)
         except SamplingParamsError as e:
             raise APIError(str(e), param=str(e).split()[0]) from None

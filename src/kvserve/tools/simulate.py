@@ -157,7 +157,8 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
         answers = convs[cid].output_token_ids
         if answers is not None and k < len(answers):
             recorded[rid] = (len(prompt), answers[k])
-        params = SamplingParams(max_tokens=turn.output_len, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_tokens=turn.output_len, ignore_eos=True, temperature=0.0,
+                                cache_retention=convs[cid].cache_retention)
         for view, r in zip(views, replicas):  # the router's view as of now: events and load
             view.index.apply(r.events.drain())
             view.num_running, view.num_waiting = len(r.sched.running), r.sched.num_waiting

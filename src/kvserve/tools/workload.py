@@ -114,6 +114,8 @@ class Conversation:
     arrival_time: float  # seconds from the start; later turns follow the previous answer at once
     turns: list[Turn]
     priority: int = 0
+    # Its requests' cache_retention ({"priority": 0..100, "ttl_s": N}); None: the default
+    cache_retention: dict | None = None
     # Recorded answers (from a log), one per turn; None: whatever the server/runner generates.
     output_token_ids: list[list[int]] | None = None
 
