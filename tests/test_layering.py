@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "kvserve"
 
 LAYERS = [
-    {"vllm_compat"},
+    {"vllm_compat", "errors"},
+    {"json_configs"},
     {"config", "version"},
     {"envs"},
     {"core"},
@@ -35,7 +36,7 @@ LAYERS = [
     {"cli", "__main__", "__init__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-NO_TORCH = ("vllm_compat", "config", "envs", "core", "kv", "sched", "routing")
+NO_TORCH = ("vllm_compat", "errors", "json_configs", "config", "envs", "core", "kv", "sched", "routing")
 
 
 def _modules() -> list[tuple[str, Path]]:

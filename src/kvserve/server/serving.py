@@ -25,6 +25,7 @@ from kvserve.engine.async_engine import AsyncLLM, RequestStream
 from kvserve.engine.outputs import RequestError
 from kvserve.model.tokenizer import TokenizerError, check_chat_template_kwargs
 from kvserve.server import protocol as P
+from kvserve.server.logprobs import chat_logprobs, completion_logprobs, echoed, prompt_logprobs
 from kvserve.server.protocol import APIError
 from kvserve.server.semantic_cache import HEADER as SEMANTIC_HEADER
 from kvserve.server.semantic_cache import Headed
@@ -33,7 +34,6 @@ from kvserve.server.sse import ChunkTemplate, chat_chunk, sse_event
 
 logger = logging.getLogger("kvserve.server")
 
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
 @dataclass
@@ -351,11 +351,11 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(finals):
             for o in out.outputs:
-                text, ids, lps = self._echoed(req, out, echoes[i], o.text, o.token_ids, o.logprobs)
+                text, ids, lps = echoed(req, out, echoes[i], o.text, o.token_ids, o.logprobs)
                 choices.append(P.CompletionChoice(
                     index=i * req.n + o.index, text=text, finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason, logprobs=self._completion_logprobs(ids, lps, req.logprobs, 0),
-                    prompt_logprobs=self._prompt_logprobs(out)))
+                    stop_reason=o.stop_reason, logprobs=completion_logprobs(self.token_text, ids, lps, req.logprobs, 0),
+                    prompt_logprobs=prompt_logprobs(out)))
         response = P.CompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
                                         usage=self._usage(finals)).model_dump()
         return self._with_transfer(response, transfer, finals)
@@ -387,7 +387,7 @@ class OpenAIServing:
                         finished.add(index)
                     text, ids, lps = o.delta_text, o.delta_token_ids, o.delta_logprobs
                     if req.echo and index not in offsets:
-                        text, ids, lps = self._echoed(req, out, echoes[i], text, ids, lps)
+                        text, ids, lps = echoed(req, out, echoes[i], text, ids, lps)
                     if not text and not o.finish_reason and not o.delta_logprobs:
                         continue
                     start = offsets.get(index, 0)
@@ -395,7 +395,7 @@ class OpenAIServing:
                     if lps is None and not (include_usage and continuous):
                         yield template.event(index, text, o.finish_reason, o.stop_reason)
                         continue
-                    lp = self._completion_logprobs(ids, lps, req.logprobs, start)
+                    lp = completion_logprobs(self.token_text, ids, lps, req.logprobs, start)
                     chunk = P.CompletionChunk(id=admitted.request_id, created=created, model=self._served_name(req), choices=[
                         P.CompletionStreamChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
                                                  stop_reason=o.stop_reason)])
@@ -469,10 +469,10 @@ class OpenAIServing:
             self.semantic.store(semantic, o.text, o.finish_reason, o.stop_reason)
         choices = [P.ChatChoice(index=o.index, message=P.AssistantMessage(role=self.config.response_role, content=o.text),
                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-                                logprobs=self._chat_logprobs(o.token_ids, o.logprobs, req.top_logprobs))
+                                logprobs=chat_logprobs(o.token_ids, o.logprobs, req.top_logprobs))
                    for o in out.outputs]
         response = P.ChatCompletionResponse(id=admitted.request_id, model=self._served_name(req), choices=choices,
-                                            usage=self._usage([out]), prompt_logprobs=self._prompt_logprobs(out))
+                                            usage=self._usage([out]), prompt_logprobs=prompt_logprobs(out))
         body = self._with_transfer(response.model_dump(), transfer, [out])
         return body if semantic is None else Headed(body, {SEMANTIC_HEADER: "miss"})
 
@@ -511,7 +511,7 @@ class OpenAIServing:
                     chunk = P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[P.ChatStreamChoice(
                         index=o.index, delta=P.DeltaMessage(content=o.delta_text), finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
-                        logprobs=self._chat_logprobs(o.delta_token_ids, o.delta_logprobs, req.top_logprobs))])
+                        logprobs=chat_logprobs(o.delta_token_ids, o.delta_logprobs, req.top_logprobs))])
                     if include_usage and continuous:
                         chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
                     yield sse_event(chat_chunk(chunk))
@@ -546,60 +546,6 @@ class OpenAIServing:
         extra = {"kv_attended_tokens": sum(attended)} if attended else {}
         return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                            prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached), **extra)
-
-    @staticmethod
-    def _top(entry: dict, n: int) -> list[tuple[str, float]]:
-        """(text, logprob) of the first n tokens of a vLLM-shaped logprobs entry: the sampled
-        token, then the top-k by rank. vLLM's completions send n = k + 1, its chat n = k."""
-        return [(lp.decoded_token, max(lp.logprob, LOGPROB_FLOOR)) for lp in list(entry.values())[:n]]
-
-    @staticmethod
-    def _echoed(req: P.CompletionRequest, out, echo: str, text: str, token_ids: list[int], entries
-                ) -> tuple[str, list[int], list | None]:
-        """echo: the prompt's text before the output's and, with logprobs, the prompt's tokens and
-        logprobs (None for the first) before the output's; max_tokens 0 sends the prompt alone."""
-        if not req.echo:
-            return text, token_ids, entries
-        if req.max_tokens == 0:
-            text, token_ids, entries = "", [], None if entries is None else []
-        if entries is None or out.prompt_logprobs is None:
-            return echo + text, token_ids, entries
-        return echo + text, list(out.prompt_token_ids) + list(token_ids), list(out.prompt_logprobs) + list(entries)
-
-    @staticmethod
-    def _prompt_logprobs(out) -> list | None:
-        """vLLM's prompt_logprobs field: -inf clamped, as its server does."""
-        if out.prompt_logprobs is None:
-            return None
-        return [None if e is None else {t: P.PromptLogprob(logprob=max(lp.logprob, LOGPROB_FLOOR), rank=lp.rank,
-                                                           decoded_token=lp.decoded_token) for t, lp in e.items()}
-                for e in out.prompt_logprobs]
-
-    def _completion_logprobs(self, token_ids: list[int], entries, k: int | None,
-                             start_offset: int) -> P.CompletionLogprobs | None:
-        if entries is None:
-            return None
-        lp = P.CompletionLogprobs()
-        offset = start_offset
-        for tid, e in zip(token_ids, entries):
-            text = self.token_text(tid) if e is None else e[tid].decoded_token
-            lp.tokens.append(text)
-            lp.token_logprobs.append(None if e is None else max(e[tid].logprob, LOGPROB_FLOOR))
-            lp.text_offset.append(offset)
-            offset += len(text)
-            lp.top_logprobs.append(None if e is None else dict(self._top(e, (k or 0) + 1)))
-        return lp
-
-    def _chat_logprobs(self, token_ids: list[int], entries, k: int | None) -> P.ChatLogprobs | None:
-        if entries is None:
-            return None
-        content = []
-        for tid, e in zip(token_ids, entries):
-            text = e[tid].decoded_token
-            top = [P.TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in self._top(e, k or 0)]
-            content.append(P.ChatTokenLogprob(token=text, logprob=max(e[tid].logprob, LOGPROB_FLOOR),
-                                              bytes=list(text.encode()), top_logprobs=top))
-        return P.ChatLogprobs(content=content)
 
 
 async def _merge(admitted: _Admitted) -> AsyncIterator[tuple[int, object]]:
