@@ -58,48 +58,28 @@ def _json_object(value: str) -> dict:
     return _json_flag(value, lambda x: isinstance(x, dict), "a JSON object, e.g. '{\"temperature\": 0.5}'")
 
 
-def _non_negative(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds >= 0")
-    return seconds
+def _checked(parse, ok, what: str):
+    """An argparse type: `parse` the value, then `ok` must hold; else an error saying it is not `what`."""
+    def check(value: str):
+        try:
+            x = parse(value)
+        except ValueError:
+            x = None
+        if x is None or not ok(x):
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+        return x
+    return check
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
-    return n
+_INF = float("inf")
+_non_negative = _checked(float, lambda x: 0 <= x < _INF, "a number of seconds >= 0")
+_positive_int = _checked(int, lambda n: n >= 1, "a whole number >= 1")
+_unit_interval = _checked(float, lambda x: 0 < x <= 1, "a similarity in (0, 1]")
+_positive_float = _checked(float, lambda x: 0 < x < _INF, "a number > 0")
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _unit_interval(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = -1.0
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a similarity in (0, 1]")
-    return x
-
-
-def _positive_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = -1.0
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number > 0")
-    return x
 
 
 def _size(value: str) -> int:
