@@ -84,7 +84,7 @@ def _flag(name: str) -> str:
 
 def _size(value: str) -> int:
     try:
-        return parse_size(value, "--kv-cache-memory")
+        return parse_size(value, "size")
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -121,7 +121,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         if base is bool:  # --enable-x/--no-enable-x as vLLM; plain switches for off-by-default flags
             on_off = f.name.startswith("enable_") or default
             kwargs["action"] = argparse.BooleanOptionalAction if on_off else "store_true"
-        elif f.name == "kv_cache_memory":
+        elif f.name in ("kv_cache_memory", "max_pinned_kv_bytes"):
             kwargs["type"] = _size
         elif f.name in ("max_model_len", "max_num_batched_tokens"):
             kwargs["type"] = _vllm_int(auto=f.name == "max_model_len")

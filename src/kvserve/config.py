@@ -177,6 +177,8 @@ class EngineArgs:
                                        "KV cache")
     num_gpu_blocks_override: int | None = _arg(None, "exact number of KV blocks (ignores the memory budget)",
                                                "KV cache")
+    max_pinned_kv_bytes: int | None = _arg(None, "most KV cache bytes pinned prefixes (POST /v1/cache/pins) may "
+                                                 "hold, bytes or 1GiB-style (default: half the KV cache)", "KV cache")
     # KV offload tiers
     swap_space: float = _arg(0.0, "GiB of host memory for the host KV tier (swapped-out and offloaded blocks)",
                              "KV offload tiers")
@@ -319,6 +321,11 @@ class EngineArgs:
             self.kv_cache_memory = parse_size(self.kv_cache_memory, "--kv-cache-memory")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"--kv-cache-memory must be > 0 bytes (got {self.kv_cache_memory})")
+        if isinstance(self.max_pinned_kv_bytes, str):
+            self.max_pinned_kv_bytes = parse_size(self.max_pinned_kv_bytes, "--max-pinned-kv-bytes")
+        if self.max_pinned_kv_bytes is not None and self.max_pinned_kv_bytes < 0:
+            raise ConfigError(f"--max-pinned-kv-bytes must be >= 0 bytes (got {self.max_pinned_kv_bytes}); 0 "
+                              f"refuses every pin")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError(f"--num-gpu-blocks-override must be >= 1 KV block (got {self.num_gpu_blocks_override}); "
                               f"leave it unset to size the pool from --kv-cache-memory")

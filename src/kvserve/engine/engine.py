@@ -31,6 +31,7 @@ from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, Samp
 from kvserve.engine.detokenizer import IncrementalDetokenizer, token_text_cache
 from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError, RequestMetrics, RequestOutput,
                                     RequestProgress)
+from kvserve.engine.pins import EnginePins
 from kvserve.engine.stats import engine_stats
 from kvserve.kv.events import KVEventSink
 from kvserve.kv.manager import KVCacheManager
@@ -150,6 +151,10 @@ class LLMEngine:
         # prompt, rebuilds the cumulative outputs (engine/core_client.py). Saves copying every
         # request's whole output into every step's message.
         self.send_deltas = False
+        bpb = setup.budget.bytes_per_block
+        cap = args.max_pinned_kv_bytes
+        self.pins = EnginePins(self, setup.num_blocks * bpb // 2 if cap is None else cap, bpb, args.kv_disk_path)
+        self.pins.restore()
 
     def _sampling_defaults(self, args: EngineArgs) -> dict:
         """The generation_config.json sampling values: the model's (--generation-config auto), a
@@ -383,6 +388,21 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    # -- pinned prefixes (engine/pins.py); `cache_salt` is the caller's tenant's --------------------
+    def pin_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+                   lora_request: LoRARequest | None = None) -> dict:
+        """Start pinning a prefix; poll get_pin(id) until its status is "pinned"."""
+        return self.pins.add(prompt_token_ids, cache_salt, lora_request)
+
+    def get_pin(self, pin_id: str, cache_salt: str | None = None) -> dict | None:
+        return self.pins.get(pin_id, cache_salt)
+
+    def list_pins(self, cache_salt: str | None = None) -> list[dict]:
+        return self.pins.list(cache_salt)
+
+    def unpin(self, pin_id: str, cache_salt: str | None = None) -> dict | None:
+        return self.pins.remove(pin_id, cache_salt)
+
     def kv_snapshot(self, cells: int = 1024, top: int = 8, cache_salt: str | None = None,
                     max_requests: int = 64) -> dict:
         """The dashboard's view of the KV pool and the scheduler's requests (kv/snapshot.py): plain
@@ -428,6 +448,10 @@ class LLMEngine:
             "do_remote_decode")]
         if exports and self.kv_offloader is not None:
             self._export_kv(exports)
+        if self.pins.records:
+            for req in touched:
+                if req.is_finished and self.pins.is_internal(req.request_id):
+                    self.pins.finished(req)  # before anything else is allocated: see engine/pins.py
         if self.args.check_integrity:
             self.kv.check_integrity()
         now = time.monotonic()
@@ -454,8 +478,12 @@ class LLMEngine:
                 req.finished_time = now
             group = self._group_of[req.request_id]
             groups[group.request_id] = group  # n > 1: one output per request, not per sequence
+        outputs = [self._make_output(g) for g in groups.values() if self._due(g)]
+        if self.pins.records:  # a pin's prefill is the engine's own: no output, no request metrics
+            groups = {k: g for k, g in groups.items() if not self.pins.is_internal(k)}
+            outputs = [o for o in outputs if not self.pins.is_internal(o.request_id)]
         self.last_step_progress = [self._progress(g) for g in groups.values()]
-        return [self._make_output(g) for g in groups.values() if self._due(g)]
+        return outputs
 
     def _export_kv(self, reqs: list) -> None:
         """Disaggregated prefill: the finished prompts' full blocks are written to the lower tiers

@@ -133,6 +133,8 @@ class EngineStats:
     num_cached_block_evictions: int = 0
     # The same by the evicted block's retention class: expired, low, default, high (kv/block_pool.py)
     evictions_by_class: dict[str, int] = field(default_factory=dict)
+    num_pinned_blocks: int = 0  # blocks held by pinned prefixes (POST /v1/cache/pins); part of num_blocks_used
+    pinned_bytes: int = 0
     prompt_tokens_total: int = 0
     # Prompt tokens at first admission: from the prefix cache / to prefill (vllm:prompt_tokens_by_source)
     prompt_tokens_cached_total: int = 0

@@ -27,6 +27,8 @@ def engine_stats(engine) -> EngineStats:
         spec_decode_num_draft_tokens=engine.scheduler.num_draft_tokens,
         spec_decode_num_accepted_tokens=engine.scheduler.num_accepted_tokens,
         kv_released_blocks=dict(engine.kv.num_released), evictions_by_class=engine.kv.pool.evictions())
+    stats.num_pinned_blocks = engine.kv.pins.num_blocks
+    stats.pinned_bytes = stats.num_pinned_blocks * engine.pins.bytes_per_block
     if engine.runner.lora is not None:
         def names(reqs) -> tuple[str, ...]:
             return tuple(sorted({r.lora_id.rpartition("@")[0] for r in reqs if r.lora_id is not None}))

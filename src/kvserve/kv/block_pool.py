@@ -238,18 +238,20 @@ class BlockPool:
     def candidates(self, parent_hash: bytes) -> Iterable[Block]:
         return self.children.get(parent_hash, {}).values()
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block not in use. False (and nothing dropped) if any block is used."""
-        if self.num_used_blocks > 0:
+    def reset_prefix_cache(self, keep: dict[int, int] | None = None) -> bool:
+        """Drop every cached block not in use. False (and nothing dropped) if any block is used,
+        except those `keep` holds (block id -> references: pinned prefixes), which stay."""
+        keep = keep or {}
+        if any(b.ref_cnt != keep.get(b.block_id, 0) for b in self.blocks if b.ref_cnt or b.block_id in keep):
             return False
         for block in self.blocks:
-            if block.has_content:
-                self._drop_content(block, quiet=True)  # one AllBlocksCleared says it
+            if block.has_content and block.block_id not in keep:
+                self._drop_content(block, quiet=not keep)  # else one AllBlocksCleared says it
         self.num_cached_free = 0
-        if self.events is not None:
+        if self.events is not None and not keep:
             self.events.add(AllBlocksCleared(MEDIUM_DEVICE))
         # Restore the plain id order so a reset pool behaves like a new one.
-        self.free_queue.reset(self.blocks)
+        self.free_queue.reset([b for b in self.blocks if b.block_id not in keep])
         return True
 
     def _drop_content(self, block: Block, quiet: bool = False) -> None:

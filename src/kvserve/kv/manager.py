@@ -38,6 +38,7 @@ from kvserve.core.step import BlockCopy, BlockOffload, BlockRestore
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.events import KVEventSink
 from kvserve.kv.hashing import extend_block_hashes, root_hash
+from kvserve.kv.pins import Pin, PinTable
 from kvserve.kv.release import SLIDING_WINDOW, blocks_to_release, release_reason
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class KVCacheManager:
         self._inexact: set[str] = set()
         self._scores: dict[str, list[float]] = {}
         self.num_released: dict[str, int] = {}  # blocks released, by policy (metrics)
+        self.pins = PinTable(self.pool)  # prefixes held resident (kv/pins.py)
 
     # -- lookup -------------------------------------------------------------------------------
     def _root(self, req: Request) -> bytes:
@@ -352,6 +354,12 @@ class KVCacheManager:
             out.append(BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids)))
         return out
 
+    def pin(self, pin_id: str, req: Request) -> Pin:
+        """Pin the full blocks of `req`'s prompt the pool holds (all of them right after its
+        prefill: nothing is allocated between a step's frees and this call)."""
+        blocks = [self.pool.blocks[b.block_id] for b in self.prompt_blocks(req)]
+        return self.pins.pin(pin_id, req.cache_salt, blocks)
+
     def tier_keys(self, req: Request) -> tuple[tuple[bytes, ...], list[list[int]]]:
         """The keys (and tokens) a tier lookup for `req` would read now: its full blocks after those
         the pool holds, as get_computed_blocks asks; empty where it would ask none (sliding window,
@@ -505,7 +513,8 @@ class KVCacheManager:
         return list(ids)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Drop every cached block no request uses; pinned blocks stay (unpin them first)."""
+        return self.pool.reset_prefix_cache(keep=self.pins.owners())
 
     # -- observability --------------------------------------------------------------------------
     def usage(self) -> "KVUsage":
@@ -529,6 +538,9 @@ class KVCacheManager:
             assert ids[:len(known)] == known, f"request {rid}: block ids {known} noted, holds {ids}"
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        for bid, n in self.pins.owners().items():
+            owners[bid] = owners.get(bid, 0) + n
+            assert pool.blocks[bid].block_hash is not None, f"pinned block {bid} holds no full cached block"
         stale = set(self._block_ids) - set(self.req_blocks)
         assert not stale, f"block ids kept for requests holding no blocks: {sorted(stale)}"
         num_cached = 0

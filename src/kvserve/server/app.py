@@ -24,6 +24,7 @@ from kvserve.engine.async_engine import AsyncLLM, EngineDeadError, EngineStepErr
 from kvserve.server import protocol as P
 from kvserve.server.auth import Authenticator, effective_cache_salt
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.pins import add_pin_routes
 from kvserve.server.protocol import APIError
 from kvserve.server.semantic_cache import Headed
 from kvserve.server.serving import OpenAIServing, ServingConfig
@@ -389,6 +390,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
         return P.DetokenizeResponse(prompt=serving.tokenizer.decode(body.tokens))
 
     add_worker_routes(app, llm, serving, tenant)
+    add_pin_routes(app, llm, serving, auth)
     if dashboard is not None:
         from kvserve.server.dashboard import add_dashboard
         add_dashboard(app, llm, dashboard, tenant, serving.tokenizer)

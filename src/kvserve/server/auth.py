@@ -24,16 +24,21 @@ class ApiKey:
     tenant: str | None  # None: the shared default tenant (keys given with --api-key)
     # The tenant's cache_retention for requests that give none (the JSON list form's "cache_retention")
     cache_retention: CacheRetention | None = None
+    # May manage the tenant's pinned prefixes (/v1/cache/pins): --api-key keys, and file entries
+    # with "admin": true
+    admin: bool = False
 
 
 def load_api_keys(keys: list[str] | None, keys_file: str | None) -> list[ApiKey]:
     """--api-key values (default tenant) plus --api-keys-file entries.
 
     File formats: a JSON object {"key": "tenant", ...}, a JSON list of {"key": ..., "tenant": ...,
-    "cache_retention": {"priority": 80, "ttl_s": 600}} (the last optional: the tenant's default), or text lines `KEY [TENANT]` (# comments, blank lines skipped). A key listed without a tenant
-    in the file is its own tenant, so file keys never share a cache by accident.
+    "cache_retention": {"priority": 80, "ttl_s": 600}, "admin": true} (the last two optional: the
+    tenant's default retention; whether the key may pin prefixes), or text lines `KEY [TENANT]`
+    (# comments, blank lines skipped). A key listed without a tenant in the file is its own tenant,
+    so file keys never share a cache by accident. --api-key keys are admin keys.
     """
-    result = [ApiKey(k, None) for k in (keys or [])]
+    result = [ApiKey(k, None, admin=True) for k in (keys or [])]
     for k in keys or []:
         if not k.strip():
             raise ConfigError("--api-key: an empty key would accept `Authorization: Bearer ` ; give a non-empty key")
@@ -77,12 +82,16 @@ def _parse_keys_file(path: Path) -> list[ApiKey]:
                     retention = parse_cache_retention(entry.get("cache_retention"), f"entry {i}: cache_retention")
                 except CacheRetentionError as e:
                     raise ConfigError(f"--api-keys-file {path}: {e}") from None
-                items.append((entry["key"], entry.get("tenant"), retention))
+                admin = entry.get("admin", False)
+                if not isinstance(admin, bool):
+                    raise ConfigError(f"--api-keys-file {path}: entry {i}: admin must be true or false, got {admin!r}")
+                items.append((entry["key"], entry.get("tenant"), retention, admin))
         keys = []
-        for key, tenant, *retention in items:
+        for key, tenant, *more in items:
             if not isinstance(key, str) or not key or not (tenant is None or isinstance(tenant, str)):
                 raise ConfigError(f"--api-keys-file {path}: keys and tenants must be non-empty strings")
-            keys.append(ApiKey(key, tenant if tenant else key, retention[0] if retention else None))
+            retention, admin = more if more else (None, False)
+            keys.append(ApiKey(key, tenant if tenant else key, retention, admin))
         return keys
     keys = []
     for lineno, line in enumerate(text.splitlines(), 1):

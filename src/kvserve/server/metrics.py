@@ -137,6 +137,10 @@ class ServerMetrics:
                                      "KV slots holding tokens / slots in referenced blocks (0..1); 1 - internal fragmentation.")
         self.host_usage = gauge("kvserve:host_tier_usage_perc", "Fraction (0..1) of the host KV tier in use.")
         self.evictions = counter("kvserve:cached_block_evictions", "Cached-only blocks evicted to make room.")
+        self.pinned_blocks = gauge("kvserve:kv_cache_pinned_blocks",
+                                   "KV blocks held by pinned prefixes (POST /v1/cache/pins); never evicted.")
+        self.pinned_bytes = gauge("kvserve:kv_cache_pinned_bytes",
+                                  "Bytes of the KV cache held by pinned prefixes (capped by --max-pinned-kv-bytes).")
         self.evictions_by_class = counter(
             "kvserve:kv_cache_evictions", "Cached blocks evicted, by retention class (cache_retention priority "
             "below / at / above the default 50, or past its TTL).", L + ["retention_class"])
@@ -241,6 +245,8 @@ class ServerMetrics:
         self.blocks_cached.labels(*m).set(s.num_blocks_cached)
         self.cached_usage.labels(*m).set(s.cached_usage)
         self.token_occupancy.labels(*m).set(s.token_occupancy)
+        self.pinned_blocks.labels(*m).set(s.num_pinned_blocks)
+        self.pinned_bytes.labels(*m).set(s.pinned_bytes)
         self._advance(rank, "pcq", self.pc_queries.labels(*m), s.prefix_cache_queries)
         self._advance(rank, "pch", self.pc_hits.labels(*m), s.prefix_cache_hits)
         self._advance(rank, "rq", self.resume_queries.labels(*m), s.resume_prefix_cache_queries)
