@@ -229,3 +229,26 @@ def test_pins_come_back_after_a_restart_on_the_same_disk_tier(tiny, tmp_path):
     third = engine_llm(tiny, kv_disk_path=disk)
     assert third.engine.list_pins("t") == []
     third.engine.close()
+
+
+def test_simulate_replays_a_pinned_prefix():
+    """`kvserve simulate` with the prefix pinned: every premium request hits it, under LRU, where
+    the bursts of unique prompts flush it otherwise."""
+    from kvserve.tools import simulate as sim
+    from kvserve.tools.workload import Conversation, Trace, Turn
+    rng = random.Random(0)
+    system = [rng.randrange(100, 1000) for _ in range(160)]
+    convs = []
+    for i in range(12):
+        convs.append(Conversation(f"p{i}", i * 1.0, [Turn(system + [1000 + i], 2)]))
+        convs += [Conversation(f"f{i}-{j}", i + 0.1 + 0.01 * j, [Turn([rng.randrange(100, 1000) for _ in range(120)], 2)])
+                  for j in range(4)]
+    trace = Trace(convs, "synthetic: two tenants")
+
+    def premium_hits(pins) -> list[int]:
+        res = sim.simulate(trace, sim.SimConfig(block_size=16, num_blocks=40), 256, check_integrity=True, pins=pins)
+        assert res.error is None and res.num_requests == 60
+        return [res.request_cached_tokens[f"p{i}/t0"][1] for i in range(12)]
+
+    assert premium_hits([system]) == [160] * 12
+    assert sum(h == 160 for h in premium_hits([])) < 6

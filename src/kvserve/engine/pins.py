@@ -114,11 +114,6 @@ class EnginePins:
                            record._reserved)
         self._save()
 
-    def aborted(self, request_id: str) -> None:
-        record = self.records.get(request_id[len(REQUEST_PREFIX):])
-        if record is not None and record.state == PENDING:
-            record.state, record.error = FAILED, "its prefill was aborted; pin it again"
-
     # -- the API ----------------------------------------------------------------------------------
     def held_bytes(self) -> int:
         pending = sum(r._reserved for r in self.records.values() if r.state == PENDING)

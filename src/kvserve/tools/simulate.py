@@ -77,6 +77,8 @@ class SimResult:
     mean_e2e_s: float = 0.0
     error: str | None = None
     blocks_used_per_step: list[int] = field(default_factory=list, repr=False)
+    # Per request id: (prompt tokens, of those served from the prefix cache): one tenant's hit rate
+    request_cached_tokens: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -85,6 +87,7 @@ class SimResult:
     def to_dict(self, with_steps: bool = False) -> dict:
         d = asdict(self)
         d["prefix_hit_rate"] = self.prefix_hit_rate
+        d.pop("request_cached_tokens")
         if not with_steps:
             d.pop("blocks_used_per_step")
         return d
@@ -124,8 +127,11 @@ def turn_request_id(conversation_id: str, turn: int) -> str:
 
 
 def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | None = None,
-             vocab_size: int = 49152, check_integrity: bool = False) -> SimResult:
-    """Run the trace to completion under `cfg`; the clock is simulated seconds from the first arrival."""
+             vocab_size: int = 49152, check_integrity: bool = False,
+             pins: list[list[int]] = ()) -> SimResult:
+    """Run the trace to completion under `cfg`; the clock is simulated seconds from the first arrival.
+    `pins`: prefixes pinned on every replica before the first arrival (POST /v1/cache/pins), their
+    prefill left out of the counts."""
     res = SimResult(config=cfg, max_model_len=max_model_len)
     if cfg.num_blocks * cfg.block_size < max_model_len:
         res.error = (f"the pool holds {cfg.num_blocks * cfg.block_size} tokens, less than max-model-len "
@@ -146,6 +152,8 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
     for r in replicas:
         r.clock = start
     used_time = 0.0
+    for r in replicas:
+        _pin(r, pins, max_model_len)
 
     def admit(item) -> None:
         t, _, cid, k, prompt = item
@@ -207,6 +215,8 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
         for req in touched:
             rid = req.request_id
             res.output_tokens += 1
+            if rid not in res.request_cached_tokens:
+                res.request_cached_tokens[rid] = (req.num_prompt_tokens, max(req.num_cached_tokens, 0))
             if rid not in first_token:
                 first_token[rid] = r.clock
                 ttfts.append(r.clock - arrival[rid])
@@ -240,6 +250,18 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
     if e2es:
         res.mean_e2e_s = sum(e2es) / len(e2es)
     return res
+
+
+def _pin(r: _Replica, pins: list[list[int]], max_model_len: int) -> None:
+    """As the engine pins: prefill each prefix, pin its full blocks in the step that freed them."""
+    for i, prefix in enumerate(pins):
+        req = Request(f"pin/{i}", list(prefix), SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
+        r.sched.add_request(req)
+        while r.sched.has_unfinished_requests():
+            out = r.sched.schedule()
+            r.sched.update_from_output(out, r.runner.execute(out))
+        r.kv.pin(req.request_id, req)
+    r.kv.stats = type(r.kv.stats)()
 
 
 # -- the sweep ------------------------------------------------------------------------------------
