@@ -145,7 +145,7 @@ POOL = 24
 
 
 def engine_llm(tiny, **kw):
-    return LLM(tiny, dtype="float32", block_size=BS, num_gpu_blocks_override=POOL, max_model_len=POOL * BS,
+    return LLM(tiny, dtype="float32", block_size=BS, num_gpu_blocks_override=POOL, max_model_len=10 * BS,
                max_num_batched_tokens=256, check_integrity=True, **kw)
 
 
@@ -181,6 +181,14 @@ def test_engine_pins_a_prefix_that_survives_a_flood_and_caps_pinned_bytes(tiny):
         engine.pin_prefix(rand_ids(2, 8 * BS), None)
     assert f"takes {8 * bpb} bytes (8 KV blocks) but {5 * bpb} bytes are already pinned" in str(e.value)
     assert e.value.param == "max_pinned_kv_bytes"
+    engine.pins.cap_bytes = POOL * bpb  # the cap out of the way: the room for one sequence decides
+    pending = engine.pin_prefix(rand_ids(2, 9 * BS + 1), None)  # 5 + 9 leaves 10 blocks, one sequence's
+    assert pending["status"] == "pending" and pending["num_blocks"] == 9
+    with pytest.raises(RequestError, match="would leave 9 unpinned, fewer than the 10 one sequence of "
+                                           "--max-model-len 160 needs"):
+        engine.pin_prefix(rand_ids(3, BS), None)
+    assert engine.unpin(pending["id"])["status"] == "pending"  # unpinned before it was computed
+    engine.pins.cap_bytes = POOL * bpb // 2
     with pytest.raises(RequestError, match="pin at least 16"):
         engine.pin_prefix([5, 6, 7], None)
     with pytest.raises(RequestError, match="prompt is empty"):

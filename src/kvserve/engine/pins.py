@@ -7,7 +7,8 @@ request runs the pin is "pending"; the server polls until it is "pinned" (or "fa
 
 Cap (--max-pinned-kv-bytes, default half the KV pool): what pins hold, pending ones counted at
 their full size, plus the new pin's blocks must fit; beyond it the pin is refused, the message
-naming the cap, the pin's bytes and what is already pinned.
+naming the cap, the pin's bytes and what is already pinned. Nor may pins leave less than one
+sequence of max_model_len unpinned.
 
 Restarts: with a disk tier (--kv-disk-path) the pins are recorded in pins.json in its directory
 (written whole, then renamed) and pinned again when the engine starts, before it serves: their
@@ -88,6 +89,17 @@ class EnginePins:
                                f"pinned and --max-pinned-kv-bytes is {self.cap_bytes}; unpin some "
                                f"(DELETE /v1/cache/pins/{{id}}), pin a shorter prefix or raise "
                                f"--max-pinned-kv-bytes", "max_pinned_kv_bytes")
+        # What stays unpinned must still hold one sequence of max_model_len, or a long request
+        # would wait for blocks forever.
+        seq_blocks = -(-self.engine.max_model_len // self.block_size)
+        room = self.engine.kv.pool.num_blocks - seq_blocks
+        held_blocks = held // self.bytes_per_block
+        if held_blocks + n > room:
+            raise RequestError(f"pinning this prompt's {n} KV blocks would leave {self.engine.kv.pool.num_blocks - held_blocks - n} "
+                               f"unpinned, fewer than the {seq_blocks} one sequence of --max-model-len "
+                               f"{self.engine.max_model_len} needs ({held_blocks} already pinned of "
+                               f"{self.engine.kv.pool.num_blocks}); unpin some, pin a shorter prefix, lower "
+                               f"--max-model-len or give the KV cache more memory", "prompt")
         record = PinRecord(pin_id or f"pin-{uuid.uuid4().hex[:24]}", ids, cache_salt,
                            None if lora_request is None else
                            {"name": lora_request.lora_name, "id": lora_request.lora_int_id,
@@ -155,11 +167,15 @@ class EnginePins:
         tmp = self.path + ".tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"version": 1, "pins": keep}, f)
+                json.dump({"version": 1, "fingerprint": self._fingerprint(), "pins": keep}, f)
             os.replace(tmp, self.path)
         except OSError as e:
             logger.warning("cannot record the pinned prefixes in %s (%s); they will not be pinned after a "
                            "restart", self.path, e.strerror)
+
+    def _fingerprint(self) -> str | None:
+        fp = self.engine.setup.fingerprint
+        return fp.hex if fp is not None else None
 
     def restore(self) -> None:
         """Pin again what the last run recorded, stepping the engine until every one is pinned."""
@@ -167,10 +183,16 @@ class EnginePins:
             return
         try:
             with open(self.path, encoding="utf-8") as f:
-                saved = json.load(f)["pins"]
+                doc = json.load(f)
+            saved = doc["pins"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("%s is unreadable (%s); the pins it recorded are dropped", self.path, e)
             return
+        if doc.get("fingerprint") != self._fingerprint():
+            # Token ids of another model (or KV format): nothing of theirs is in the disk tier either.
+            logger.warning("%s records %d pins of another model or KV cache format; they are dropped", self.path,
+                           len(saved))
+            saved = []
         for p in saved:
             try:
                 lora = p.get("lora")
