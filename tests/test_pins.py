@@ -260,3 +260,22 @@ def test_simulate_replays_a_pinned_prefix():
 
     assert premium_hits([system]) == [160] * 12
     assert sum(h == 160 for h in premium_hits([])) < 6
+
+
+def test_a_pin_under_an_adapter_holds_the_adapters_blocks(tiny, tmp_path):
+    from hf_reference import load_hf
+    from lora_adapters import make_adapter
+
+    from kvserve import LoRARequest
+    a = LoRARequest("a", 1, make_adapter(load_hf(tiny), tmp_path / "a", r=8, alpha=16, seed=1))
+    llm = LLM(tiny, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=BS,
+              num_gpu_blocks_override=POOL, max_model_len=10 * BS, check_integrity=True)
+    engine = llm.engine
+    ids = rand_ids(5, 3 * BS + 2)
+    view = engine.pin_prefix(ids, None, a)
+    while engine.get_pin(view["id"])["status"] == "pending":
+        engine.step()
+    assert engine.get_pin(view["id"])["model"] == "a" and engine.get_stats().num_pinned_blocks == 3
+    llm.generate([rand_ids(200 + i, 6 * BS) for i in range(6)], greedy(2), use_tqdm=False)  # flush the rest
+    hit, base = llm.generate([ids + [3], ids + [3]], greedy(1), lora_request=[a, None], use_tqdm=False)
+    assert hit.num_cached_tokens >= 3 * BS and base.num_cached_tokens == 0

@@ -51,7 +51,7 @@ def keys_file(tmp_path):
     return str(path)
 
 
-def test_pins_admin_routes_isolation_cap_and_pressure(keys_file):
+def test_pins_admin_routes_isolation_cap_pressure_and_a_tenants_default_retention(keys_file):
     server = start_server(*ARGS, "--api-keys-file", keys_file)
     try:
         r = call(server, "POST", "/v1/cache/pins", "k-user", {"prompt_token_ids": SYSTEM})
