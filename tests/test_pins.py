@@ -279,3 +279,11 @@ def test_a_pin_under_an_adapter_holds_the_adapters_blocks(tiny, tmp_path):
     llm.generate([rand_ids(200 + i, 6 * BS) for i in range(6)], greedy(2), use_tqdm=False)  # flush the rest
     hit, base = llm.generate([ids + [3], ids + [3]], greedy(1), lora_request=[a, None], use_tqdm=False)
     assert hit.num_cached_tokens >= 3 * BS and base.num_cached_tokens == 0
+
+
+def test_a_pin_is_exact_whatever_the_servers_default_kv_compression(tiny):
+    """The pin's own request opts out of --kv-compression: every full block of the prefix is held."""
+    engine = engine_llm(tiny, kv_compression='{"method": "snapkv", "window": 32, "sink_tokens": 4, '
+                                             '"heavy_tokens": 32, "observation_tokens": 8}').engine
+    pin = pin_now(engine, rand_ids(6, 6 * BS + 5))
+    assert pin["status"] == "pinned" and pin["num_blocks"] == 6

@@ -23,6 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from kvserve.core.kv_compression import NONE as NO_COMPRESSION
 from kvserve.core.lora import LoRARequest
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.engine.outputs import RequestError
@@ -105,7 +106,9 @@ class EnginePins:
                            {"name": lora_request.lora_name, "id": lora_request.lora_int_id,
                             "path": lora_request.lora_path},
                            int(time.time()) if created is None else created, _reserved=n)
-        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+        # The whole prefix's exact KV, whatever the server's --kv-compression would release.
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY,
+                                kv_compression=NO_COMPRESSION)
         self.engine.add_request(REQUEST_PREFIX + record.id, ids, params, cache_salt=cache_salt,
                                 lora_request=lora_request)
         self.records[record.id] = record
