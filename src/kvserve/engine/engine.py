@@ -129,7 +129,8 @@ class LLMEngine:
                 tier.events, tier.block_size = self.kv_events, args.block_size
         self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
                                  args.kv_cache_dtype, tiers=self.kv_tiers, events=self.kv_events,
-                                 sliding_window=self.model_config.sliding_window)
+                                 sliding_window=self.model_config.sliding_window,
+                                 offload_min_priority=args.kv_offload_min_priority)
         self.kv_compression = self._kv_compression_default(args)
         if self.kv_tiers is not None:
             # close(), or an engine dropped without it (garbage collection, interpreter exit):

@@ -27,15 +27,18 @@ computes after that is never published to the prefix cache, so no other request 
 """
 from __future__ import annotations
 
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from kvserve.core.cache_retention import DEFAULT as DEFAULT_RETENTION
+from kvserve.core.cache_retention import DEFAULT_PRIORITY
 from kvserve.core.kv_compression import KVCompression
 from kvserve.core.request import Request
 from kvserve.core.step import BlockCopy, BlockOffload, BlockRestore
-from kvserve.kv.block_pool import Block, BlockPool
+from kvserve.kv.block_pool import UNSET, Block, BlockPool
 from kvserve.kv.events import KVEventSink
 from kvserve.kv.hashing import extend_block_hashes, root_hash
 from kvserve.kv.release import SLIDING_WINDOW, blocks_to_release, release_reason
@@ -86,12 +89,13 @@ class KVCacheManager:
                  on_evict: Callable[[Block], None] | None = None,
                  tiers: "TierChain | None" = None, events: KVEventSink | None = None,
                  sliding_window: int | None = None, eviction_policy: str = "lru",
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, offload_min_priority: int = 0) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.kv_cache_dtype = kv_cache_dtype
         self.tiers = tiers
+        self.offload_min_priority = offload_min_priority
         self._user_on_evict = on_evict
         offload = tiers is not None and enable_caching and bool(tiers.tiers)
         self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict if offload else on_evict,
@@ -335,8 +339,7 @@ class KVCacheManager:
     def cached_blocks(self) -> list[BlockOffload]:
         """Every full block the pool holds under a chain hash, in use or cached-free: what an
         engine shutting down hands to the lower tiers (write-back only happens on eviction)."""
-        return [BlockOffload(b.block_id, b.block_hash, tuple(b.token_ids)) for b in self.pool.blocks
-                if b.block_hash is not None]
+        return [self._offload_of(b) for b in self.pool.blocks if b.block_hash is not None]
 
     def prompt_blocks(self, req: Request) -> list[BlockOffload]:
         """The full blocks of `req`'s prompt the pool still holds under their chain hashes, in order
@@ -372,9 +375,29 @@ class KVCacheManager:
 
     def _on_evict(self, block: Block) -> None:
         if block.block_hash is not None:  # only full blocks have a chain hash to be found by
-            self._offloads.append(BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids)))
+            offload = self._retained_offload(block)
+            if offload is not None:
+                self._offloads.append(offload)
+            else:
+                self.tiers.stats.offload_below_priority += 1
         if self._user_on_evict is not None:
             self._user_on_evict(block)
+
+    def _retained_offload(self, block: Block) -> BlockOffload | None:
+        """What the tiers store of an evicted block; None when the block is below
+        --kv-offload-min-priority or past its TTL: dropped, not written down."""
+        offload = self._offload_of(block)
+        if offload.expires <= time.time() or offload.priority < self.offload_min_priority:
+            return None
+        return offload
+
+    def _offload_of(self, block: Block) -> BlockOffload:
+        """A full block as the tiers store it, with its retention (the expiry turned into
+        wall-clock time: it outlives this process on disk and is shared through Redis)."""
+        priority = DEFAULT_PRIORITY if block.priority == UNSET else block.priority
+        expires = math.inf if block.expires == math.inf else time.time() + (block.expires - self.pool.clock())
+        return BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids), priority=priority,
+                            expires=expires)
 
     # -- swap preemption ------------------------------------------------------------------------
     def swap_out(self, req: Request) -> bool:
