@@ -158,6 +158,8 @@ class EngineStats:
     kv_offloaded_blocks: int = 0
     kv_offload_seconds: float = 0.0  # engine-thread time spent reading + packing evicted blocks
     kv_offload_dropped_blocks: int = 0  # the writer queue was full: those blocks were not kept
+    # evicted blocks not written down: below --kv-offload-min-priority, or past their TTL
+    kv_offload_below_priority_blocks: int = 0
     num_swapped_preemptions: int = 0  # preemptions whose KV went to the host tier
     # blocks released from running sequences, by policy: sliding_window, streaming, h2o, snapkv
     kv_released_blocks: dict[str, int] = field(default_factory=dict)

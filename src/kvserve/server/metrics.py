@@ -164,6 +164,8 @@ class ServerMetrics:
                                        "(divide by kv_restored_blocks for the mean per block).")
         self.offloaded_blocks = counter("kvserve:kv_offloaded_blocks", "Evicted device blocks copied down to the tiers.")
         self.offload_dropped = counter("kvserve:kv_offload_dropped_blocks", "Evicted blocks dropped: the tier writer queue was full.")
+        self.offload_below_priority = counter("kvserve:kv_offload_below_priority_blocks", "Evicted blocks not written "
+                                              "down: below --kv-offload-min-priority, or past their cache_retention TTL.")
         self.swapped_preemptions = counter("kvserve:num_swapped_preemptions", "Preemptions whose KV went to the host tier.")
         self.released_blocks = counter("kvserve:kv_released_blocks", "Blocks released from running sequences by "
                                        "reason (sliding_window | streaming | h2o | snapkv).", L + ["reason"])
@@ -289,6 +291,8 @@ class ServerMetrics:
         self._advance(rank, "krs", self.restore_seconds.labels(*m), getattr(s, "kv_restore_seconds", 0.0))
         self._advance(rank, "kob", self.offloaded_blocks.labels(*m), getattr(s, "kv_offloaded_blocks", 0))
         self._advance(rank, "kod", self.offload_dropped.labels(*m), getattr(s, "kv_offload_dropped_blocks", 0))
+        self._advance(rank, "kop", self.offload_below_priority.labels(*m),
+                      getattr(s, "kv_offload_below_priority_blocks", 0))
         self._advance(rank, "nsp", self.swapped_preemptions.labels(*m), getattr(s, "num_swapped_preemptions", 0))
         for reason, n in getattr(s, "kv_released_blocks", {}).items():
             self._advance(rank, "rel:" + reason, self.released_blocks.labels(*m, reason), n)
