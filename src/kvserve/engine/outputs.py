@@ -67,6 +67,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0  # see RequestOutput
     max_tokens: int | None = None  # the request's max_tokens after defaulting / capping at the context
 
     @property
@@ -90,6 +91,10 @@ class RequestOutput:
     # vLLM's: with SamplingParams.prompt_logprobs, None for the first prompt token, then per token
     # {token_id: Logprob} (the prompt token and the top prompt_logprobs alternatives).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Beside vLLM's num_cached_tokens (prompt tokens read from the prefix cache): prompt tokens
+    # this request wrote to it, i.e. its full prompt blocks the cache did not hold before (with
+    # n > 1, what all its sequences wrote). A partial last block is never a write.
+    num_cache_write_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:

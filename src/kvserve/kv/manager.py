@@ -108,6 +108,9 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         self._roots: dict[str, bytes] = {}
         self._committed: dict[str, int] = {}  # tokens recorded into blocks, per request
+        # Per request with blocks restored from a tier: the block index after them (what commit()
+        # registers before it is the cache read back, not a write).
+        self._restored_upto: dict[str, int] = {}
         self._copies: list[BlockCopy] = []
         self._offloads: list[BlockOffload] = []
         self._restores: list[BlockRestore] = []
@@ -289,6 +292,7 @@ class KVCacheManager:
                 blocks.append(dst)
             if hit.restored:
                 self.tiers.count_restored(hit.restored)
+                self._restored_upto[req.request_id] = hit.num_skipped + len(hit.blocks) + len(hit.restored)
             if hit.partial_src is not None:
                 # The copy runs before this step's forward; the source cannot be overwritten before
                 # then even if it is evicted below, since K/V is only written during the forward.
@@ -442,6 +446,8 @@ class KVCacheManager:
             tokens = req.all_token_ids
             root = self._root(req)
             hashes = extend_block_hashes(req.block_hashes, root, tokens, bs, end)
+            first_write = self._restored_upto.get(req.request_id, 0)
+            prompt_blocks = req.num_prompt_tokens // bs
             for i in range(start // bs, (end - 1) // bs + 1):
                 block = blocks[i - gone]
                 lo, hi = i * bs, min((i + 1) * bs, end)
@@ -449,8 +455,9 @@ class KVCacheManager:
                 if block.block_hash is not None:
                     continue  # a shared cached block: already complete
                 self.pool.record_tokens(block, hashes[i - 1] if i else root, tokens[lo:hi])
-                if hi - lo == bs:
-                    self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else None)
+                if hi - lo == bs and self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else None) \
+                        and first_write <= i < prompt_blocks:
+                    req.num_cache_write_tokens += bs
         self._committed[req.request_id] = end
         self._release(req, end)
 
@@ -502,6 +509,7 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(req.request_id, None)
         self._block_ids.pop(req.request_id, None)
         self._committed.pop(req.request_id, None)
+        self._restored_upto.pop(req.request_id, None)
         self._tier_memo.pop(req.request_id, None)
         self._logical.pop(req.request_id, None)
         self._released.pop(req.request_id, None)
