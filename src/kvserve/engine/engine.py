@@ -569,7 +569,8 @@ class LLMEngine:
                                  if s.req.last_token_time is not None), default=None),
             finished_time=time.monotonic() if done else None,
             num_cached_tokens=max(first.num_cached_tokens, 0), max_tokens=first.sampling_params.max_tokens,
-            num_cache_write_tokens=sum(s.req.num_cache_write_tokens for s in group.seqs))
+            num_cache_write_tokens=sum(s.req.num_cache_write_tokens for s in group.seqs),
+            cache_retention=first.sampling_params.cache_retention)
         if done:
             self._groups.pop(group.request_id, None)
             for s in group.seqs:

@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvserve.core.cache_retention import CacheRetention
+
 
 class RequestError(ValueError):
     """A request the engine refuses; the message names the field and the limit."""
@@ -68,6 +70,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0  # see RequestOutput
+    # The request's effective cache_retention (a tenant's default applied; None: the default):
+    # for the request log, which `kvserve simulate` replays with it.
+    cache_retention: CacheRetention | None = None
     max_tokens: int | None = None  # the request's max_tokens after defaulting / capping at the context
 
     @property

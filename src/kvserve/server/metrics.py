@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, Info, PlatformCollector,
                                ProcessCollector)
 
+from kvserve.core.cache_retention import DEFAULT as DEFAULT_RETENTION
 from kvserve.core.request_log import format_request_log_record
 from kvserve.engine.async_engine import StepEvent
 from kvserve.engine.outputs import RequestProgress
@@ -416,6 +417,8 @@ def request_log_fields(out) -> dict:
     return dict(request_id=out.request_id, prompt_tokens=len(out.prompt_token_ids),
                 output_tokens=sum(len(o.token_ids) for o in out.outputs),
                 cached_tokens=cached_prompt_tokens(out),
+                cache_write_tokens=out.num_cache_write_tokens,
+                cache_retention=(t.cache_retention or DEFAULT_RETENTION).as_dict(),
                 ttft=None if t.first_token_time is None else t.first_token_time - t.arrival_time,
                 e2e=end - t.arrival_time,
                 finish_reason=next((o.finish_reason for o in out.outputs if o.finish_reason), None),
