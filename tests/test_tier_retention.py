@@ -21,7 +21,7 @@ from kvserve.config import ConfigError, EngineArgs, SchedulerConfig
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.tiers import DiskTier, EngineFingerprint, HostTier
+from kvserve.kv.tiers import AsyncWriter, DiskTier, EngineFingerprint, HostTier
 from kvserve.kv.tiers.base import frame_header, frame_retention, frame_size
 from kvserve.kv.tiers.chain import TierChain
 from kvserve.kv.tiers.order import LOWEST, Retention, RetentionOrder
@@ -218,12 +218,20 @@ class Transfer:
     def apply(self, out) -> None:
         for o in out.kv_offloads:
             assert not o.held
-            self.chain.host.put(o.key, bytes(o.token_ids).ljust(PAYLOAD, b"\xff"), o.token_ids,
-                                Retention(o.priority, o.expires))
+            payload, retention = bytes(o.token_ids).ljust(PAYLOAD, b"\xff"), Retention(o.priority, o.expires)
+            if self.chain.host is not None:
+                self.chain.host.put(o.key, payload, o.token_ids, retention)
+            if self.chain.writer is not None:
+                self.chain.writer.submit(o.key, payload, o.token_ids, retention)
+                self.chain.writer.flush(10)
 
 
-def make(host_entries: int, min_priority: int = 0):
-    chain = TierChain(HostTier(FP, host_entries * ENTRY))
+def make(host_entries: int, min_priority: int = 0, disk_path=None):
+    if disk_path is None:
+        chain = TierChain(HostTier(FP, host_entries * ENTRY))
+    else:
+        disk = DiskTier(FP, disk_path, host_entries * ENTRY)
+        chain = TierChain(None, [disk], AsyncWriter([disk]))
     kv = KVCacheManager(12, BS, enable_caching=True, tiers=chain, offload_min_priority=min_priority)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=48), kv)
     return sched, CostModelRunner(vocab_size=VOCAB), Transfer(chain), chain
@@ -256,22 +264,29 @@ def premium(rid: str, retention):
     return Request(rid, SYSTEM + [1], SamplingParams(max_tokens=1, ignore_eos=True, cache_retention=retention))
 
 
+@pytest.mark.parametrize("kind", ["host", "disk"])
 @pytest.mark.parametrize("retained", [True, False])
-def test_device_evicted_premium_prefix_survives_in_the_host_tier(retained):
-    """The flood overflows the device pool and the host tier many times; with priorities the
-    premium prefix written down from the device stays in the host tier and is found there."""
-    sched, runner, transfer, chain = make(host_entries=6)
-    p0 = premium("p0", {"priority": 90} if retained else None)
-    run(sched, runner, transfer, [p0])
-    run(sched, runner, transfer, flood(40, 10 if retained else None))
-    keys = p0.block_hashes[:3]
-    assert not any(sched.kv.pool.lookup(k) for k in keys)  # the flood pushed it off the device
-    hit = sched.kv.get_computed_blocks(premium("p1", None))
-    if retained:
-        assert all(chain.host.contains(k) for k in keys)
-        assert hit.num_tokens == len(SYSTEM) and len(hit.restored) == 3  # from the host tier
-    else:
-        assert hit.num_tokens == 0
+def test_device_evicted_premium_prefix_survives_in_the_tier(retained, kind, tmp_path):
+    """The flood overflows the device pool and the tier many times; with priorities the premium
+    prefix written down from the device stays in the tier and is found there."""
+    sched, runner, transfer, chain = make(host_entries=6, disk_path=tmp_path / "disk" if kind == "disk" else None)
+    try:
+        p0 = premium("p0", {"priority": 90} if retained else None)
+        run(sched, runner, transfer, [p0])
+        run(sched, runner, transfer, flood(40, 10 if retained else None))
+        keys = p0.block_hashes[:3]
+        assert not any(sched.kv.pool.lookup(k) for k in keys)  # the flood pushed it off the device
+        tier = chain.tiers[0]
+        assert tier.stats().evictions > 20
+        hit = sched.kv.get_computed_blocks(premium("p1", None))
+        if retained:
+            assert all(tier.contains(k) for k in keys)
+            assert hit.num_tokens == len(SYSTEM) and len(hit.restored) == 3  # from the tier
+            assert {f.tier for f in hit.restored} == {kind}
+        else:
+            assert hit.num_tokens == 0
+    finally:
+        chain.close()
 
 
 def test_blocks_below_the_min_priority_are_not_written_down():
@@ -328,3 +343,37 @@ def test_redis_entries_expire_with_their_retention(redis_server):
         assert 3_590_000 < client.pttl(tier.redis_key(key(2))) <= 3_600_000  # the tier's own TTL
         assert not tier.contains(key(3))
         assert bytes(tier.get(key(1))) == payload(1)
+
+
+# -- the engine: the runner-side transfer writes the retention down -------------------------------
+@pytest.mark.parametrize("retained", [True, False])
+def test_engine_host_tier_keeps_the_premium_prefix_through_a_flood(tiny, retained):
+    """The real offloader: a premium prompt (priority 90), then one-off prompts (10) that each need
+    the whole device pool (40 blocks of 16), so the premium blocks go down too, and that overflow
+    the host tier (17 entries of this model's blocks) many times."""
+    import random
+
+    from helpers import greedy
+    from kv_cases import SMALL
+
+    from kvserve import LLM
+    rng = random.Random(0)
+    system = [rng.randrange(1, 250) for _ in range(100)]  # 6 full blocks of 16
+    hi, lo = ({"priority": 90}, {"priority": 10}) if retained else (None, None)
+    llm = LLM(tiny, **SMALL, swap_space=0.0002)
+    try:
+        host = llm.engine.kv_tiers.host
+        llm.generate([system + [1]], greedy(2, cache_retention=hi), use_tqdm=False)
+        for _ in range(8):
+            llm.generate([[rng.randrange(1, 250) for _ in range(630)]], greedy(2, cache_retention=lo),
+                         use_tqdm=False)
+        assert host.stats().evictions > 20
+        again = llm.generate([system + [2]], greedy(2), use_tqdm=False)[0]
+        restored = llm.engine.get_stats().kv_restored_blocks
+        if retained:
+            assert again.num_cached_tokens >= 96 and restored == 6
+            assert sorted({host.retention(k).priority for k in host._entries}) == [10, 90]
+        else:
+            assert again.num_cached_tokens < 16
+    finally:
+        llm.engine.close()
