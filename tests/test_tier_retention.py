@@ -166,6 +166,18 @@ def test_re_put_keeps_the_higher_priority(kind, tmp_path):
         assert tier.retention(key(0)).priority == 90
 
 
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_retain_raises_a_stored_entrys_priority(kind, tmp_path):
+    """A block already below that the device evicts again at a higher priority (the offloader
+    skips rewriting it) takes that priority in the tier's order."""
+    with tiers(kind, tmp_path, 2) as tier:
+        tier.put(key(0), payload(0), retention=Retention(10))
+        tier.put(key(1), payload(1), retention=Retention(50))
+        assert tier.retain(key(0), Retention(90)) and not tier.retain(key(7), Retention(90))
+        tier.put(key(2), payload(2), retention=Retention(50))
+        assert tier.contains(key(0)) and not tier.contains(key(1))
+
+
 def test_frame_header_carries_the_retention():
     r = Retention(77, 1.5e9)
     head = frame_header(FP.digest, key(1), payload(1), retention=r)

@@ -109,8 +109,9 @@ class KVOffloader:
         for o in offloads:
             if o.held or not self._stored_below(o.key):
                 todo.append(o)
-            elif host is not None:  # stored already: it may come down at a higher priority now
-                host.retain(o.key, Retention(o.priority, o.expires))
+            else:  # stored already: it may come down at a higher priority now
+                for tier in chain.tiers:
+                    tier.retain(o.key, Retention(o.priority, o.expires))
         chain.stats.offload_skipped += len(offloads) - len(todo)
         if todo:
             data = self.kv_cache.read_blocks(torch.tensor([o.block_id for o in todo]))

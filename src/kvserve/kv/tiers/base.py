@@ -290,6 +290,11 @@ class KVTier(ABC):
     def usage(self) -> TierUsage:
         return self._usage()
 
+    def retain(self, key: bytes, retention: Retention) -> bool:
+        """A block stored here was evicted from the device again, maybe at another priority: it
+        keeps the higher one. False when the tier does not hold it or orders nothing itself."""
+        return False
+
     def stats(self) -> TierStats:
         with self._stats_lock:
             return replace(self._stats)

@@ -105,6 +105,17 @@ class DiskTier(KVTier):
         except (OSError, FrameError):  # another format or engine, or unreadable: nothing to keep it for
             return Retention(LOWEST)
 
+    def retain(self, key: bytes, retention: Retention) -> bool:
+        """In the in-memory order only: the header keeps the priority it was written with, which
+        is what a restart rebuilds from."""
+        name = self.file_name(key)
+        with self._lock:
+            size = self._order.size(name)
+            if size is None:
+                return False
+            self._order.add(name, size, retention)
+            return True
+
     def retention(self, key: bytes) -> Retention | None:
         with self._lock:
             return self._order.retention(self.file_name(key))
