@@ -312,6 +312,15 @@ def test_blocks_below_the_min_priority_are_not_written_down():
     assert sched.kv.get_computed_blocks(again).num_tokens == len(SYSTEM)
 
 
+def test_shutdown_write_back_follows_the_min_priority_too():
+    sched, runner, transfer, chain = make(host_entries=64, min_priority=50)
+    run(sched, runner, transfer, [premium("p0", {"priority": 90})])
+    run(sched, runner, transfer, [Request("lo", [5, 6, 7, 4] * 2 + [5], SamplingParams(
+        max_tokens=1, ignore_eos=True, cache_retention={"priority": 10}))])
+    kept = sched.kv.cached_blocks()
+    assert len(kept) == 3 and all(o.priority == 90 for o in kept)  # lo's two cached blocks stay out
+
+
 def test_blocks_past_their_ttl_are_not_written_down():
     clock = Clock(100.0)
     chain = TierChain(HostTier(FP, 64 * ENTRY))

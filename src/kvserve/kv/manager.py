@@ -342,8 +342,9 @@ class KVCacheManager:
 
     def cached_blocks(self) -> list[BlockOffload]:
         """Every full block the pool holds under a chain hash, in use or cached-free: what an
-        engine shutting down hands to the lower tiers (write-back only happens on eviction)."""
-        return [self._offload_of(b) for b in self.pool.blocks if b.block_hash is not None]
+        engine shutting down hands to the lower tiers (write-back only happens on eviction); as
+        on eviction, not those below --kv-offload-min-priority or past their TTL."""
+        return [o for b in self.pool.blocks if b.block_hash is not None and (o := self._retained_offload(b)) is not None]
 
     def prompt_blocks(self, req: Request) -> list[BlockOffload]:
         """The full blocks of `req`'s prompt the pool still holds under their chain hashes, in order
