@@ -190,6 +190,10 @@ class EngineArgs:
                                           "KV offload tiers")
     kv_redis_url: str | None = _arg(None, "redis://host:port/db of a Redis KV tier shared by several servers",
                                     "KV offload tiers")
+    kv_offload_min_priority: int = _arg(0, "blocks evicted from the device with a cache_retention priority below "
+                                           "this (0..100), or past their ttl_s, are dropped, not written to the "
+                                           "offload tiers (0: every block within its TTL is written)",
+                                        "KV offload tiers")
     # Scheduler
     max_num_seqs: int = _arg(256, "most sequences in one batch", "Scheduler")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default 2048 with chunked prefill, "
@@ -335,6 +339,9 @@ class EngineArgs:
             raise ConfigError(f"--max-logprobs must be >= 0, or -1 for no cap (got {self.max_logprobs})")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB (got {self.swap_space})")
+        if not 0 <= self.kv_offload_min_priority <= 100:
+            raise ConfigError(f"--kv-offload-min-priority must be a cache_retention priority in [0, 100] "
+                              f"(got {self.kv_offload_min_priority})")
         if self.data_parallel_size < 1:
             raise ConfigError(f"--data-parallel-size must be >= 1 (got {self.data_parallel_size})")
         self.speculative  # raises ConfigError on a malformed --speculative-config

@@ -24,6 +24,7 @@ from kvserve.config import ConfigError, EngineArgs
 from kvserve.core.step import BlockOffload, BlockRestore, SchedulerOutput
 from kvserve.kv.tiers.base import EngineFingerprint
 from kvserve.kv.tiers.chain import TierChain
+from kvserve.kv.tiers.order import Retention
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,13 @@ class KVOffloader:
         start = time.perf_counter()
         chain, host, writer = self.chain, self.chain.host, self.chain.writer
         self._forget_lost()
-        todo = [o for o in offloads if o.held or not self._stored_below(o.key)]
+        todo = []
+        for o in offloads:
+            if o.held or not self._stored_below(o.key):
+                todo.append(o)
+            else:  # stored already: it may come down at a higher priority now
+                for tier in chain.tiers:
+                    tier.retain(o.key, Retention(o.priority, o.expires))
         chain.stats.offload_skipped += len(offloads) - len(todo)
         if todo:
             data = self.kv_cache.read_blocks(torch.tensor([o.block_id for o in todo]))
@@ -113,9 +120,10 @@ class KVOffloader:
                 if o.held:
                     host.put_held(o.key, payload)  # a failure here costs the resume a recompute
                     continue
+                retention = Retention(o.priority, o.expires)
                 if host is not None:
-                    host.put(o.key, payload, o.token_ids)
-                if writer is not None and writer.submit(o.key, payload, o.token_ids):
+                    host.put(o.key, payload, o.token_ids, retention)
+                if writer is not None and writer.submit(o.key, payload, o.token_ids, retention):
                     self._remember(o.key)
                 chain.stats.offloaded_blocks += 1
         chain.settle_held()
@@ -138,7 +146,8 @@ class KVOffloader:
             data = self.kv_cache.read_blocks(torch.tensor([b.block_id for b in part]))
             for j, b in enumerate(part):
                 payload = self._payload(data, j, b.token_ids)
-                while not writer.submit(b.key, payload, b.token_ids):  # queue full: let it drain
+                retention = Retention(b.priority, b.expires)
+                while not writer.submit(b.key, payload, b.token_ids, retention):  # queue full: let it drain
                     left = deadline - time.monotonic()
                     if left <= 0 or not writer.flush(left):
                         logger.warning("shutdown: %d of %d cached blocks not written to the lower KV tiers "

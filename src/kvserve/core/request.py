@@ -49,6 +49,10 @@ class Request:
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache when first scheduled (-1 until then).
     num_cached_tokens: int = -1
+    # Prompt tokens this request wrote to the prefix cache: its full prompt blocks whose chain
+    # hash the device pool's index did not hold until this request committed them (a block it
+    # read from the cache or restored from a tier is not a write).
+    num_cache_write_tokens: int = 0
     num_preemptions: int = 0
     # Set by the KV cache manager: chain hashes of this request's full blocks, in order.
     block_hashes: list[bytes] = field(default_factory=list)

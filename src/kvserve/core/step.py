@@ -5,9 +5,11 @@ without knowing the policy that produced it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvserve.core.cache_retention import DEFAULT_PRIORITY
 from kvserve.core.request import Request
 
 
@@ -24,11 +26,14 @@ class BlockOffload(NamedTuple):
     writes into it (it was just evicted or freed, and may already be handed to someone else).
     held=True: a swapped-out request's block, kept in host memory until the request resumes.
     `token_ids` (the block's tokens) are stored with it: a restore checks them, so a hash that
-    collides can never bring back another prefix's K/V."""
+    collides can never bring back another prefix's K/V. `priority` and `expires` (wall-clock
+    seconds, inf: none) are the block's retention, which orders what a full tier drops first."""
     block_id: int
     key: bytes
     token_ids: tuple[int, ...] = ()
     held: bool = False
+    priority: int = DEFAULT_PRIORITY
+    expires: float = math.inf
 
 
 class BlockRestore(NamedTuple):

@@ -130,7 +130,8 @@ class LLMEngine:
                 tier.events, tier.block_size = self.kv_events, args.block_size
         self.kv = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching,
                                  args.kv_cache_dtype, tiers=self.kv_tiers, events=self.kv_events,
-                                 sliding_window=self.model_config.sliding_window)
+                                 sliding_window=self.model_config.sliding_window,
+                                 offload_min_priority=args.kv_offload_min_priority)
         self.kv_compression = self._kv_compression_default(args)
         if self.kv_tiers is not None:
             # close(), or an engine dropped without it (garbage collection, interpreter exit):
@@ -595,7 +596,9 @@ class LLMEngine:
             last_token_time=max((s.req.last_token_time for s in group.seqs
                                  if s.req.last_token_time is not None), default=None),
             finished_time=time.monotonic() if done else None,
-            num_cached_tokens=max(first.num_cached_tokens, 0), max_tokens=first.sampling_params.max_tokens)
+            num_cached_tokens=max(first.num_cached_tokens, 0), max_tokens=first.sampling_params.max_tokens,
+            num_cache_write_tokens=sum(s.req.num_cache_write_tokens for s in group.seqs),
+            cache_retention=first.sampling_params.cache_retention)
         if done:
             self._groups.pop(group.request_id, None)
             for s in group.seqs:
@@ -613,9 +616,10 @@ class LLMEngine:
             elif prompt_lps is not None:
                 group.prompt_logprobs_sent = True
             return RequestOutput(group.request_id, None, None, outputs, done, metrics.num_cached_tokens, metrics,
-                                 prompt_logprobs=prompt_lps)
+                                 prompt_logprobs=prompt_lps, num_cache_write_tokens=metrics.num_cache_write_tokens)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, done,
-                             metrics.num_cached_tokens, metrics, prompt_logprobs=prompt_lps)
+                             metrics.num_cached_tokens, metrics, prompt_logprobs=prompt_lps,
+                             num_cache_write_tokens=metrics.num_cache_write_tokens)
 
     # -- observability ----------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

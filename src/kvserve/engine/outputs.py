@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvserve.core.cache_retention import CacheRetention
+
 
 class RequestError(ValueError):
     """A request the engine refuses; the message names the field and the limit."""
@@ -67,6 +69,10 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0  # see RequestOutput
+    # The request's effective cache_retention (a tenant's default applied; None: the default):
+    # for the request log, which `kvserve simulate` replays with it.
+    cache_retention: CacheRetention | None = None
     max_tokens: int | None = None  # the request's max_tokens after defaulting / capping at the context
 
     @property
@@ -90,6 +96,10 @@ class RequestOutput:
     # vLLM's: with SamplingParams.prompt_logprobs, None for the first prompt token, then per token
     # {token_id: Logprob} (the prompt token and the top prompt_logprobs alternatives).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Beside vLLM's num_cached_tokens (prompt tokens read from the prefix cache): prompt tokens
+    # this request wrote to it, i.e. its full prompt blocks the cache did not hold before (with
+    # n > 1, what all its sequences wrote). A partial last block is never a write.
+    num_cache_write_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -160,6 +170,8 @@ class EngineStats:
     kv_offloaded_blocks: int = 0
     kv_offload_seconds: float = 0.0  # engine-thread time spent reading + packing evicted blocks
     kv_offload_dropped_blocks: int = 0  # the writer queue was full: those blocks were not kept
+    # evicted blocks not written down: below --kv-offload-min-priority, or past their TTL
+    kv_offload_below_priority_blocks: int = 0
     num_swapped_preemptions: int = 0  # preemptions whose KV went to the host tier
     # blocks released from running sequences, by policy: sliding_window, streaming, h2o, snapkv
     kv_released_blocks: dict[str, int] = field(default_factory=dict)

@@ -62,6 +62,7 @@ def _tier_stats(chain, stats: EngineStats) -> None:
     stats.kv_restored_blocks = sum(c.restored_blocks.values())
     stats.kv_restore_seconds = c.lookup_seconds + c.restore_seconds
     stats.kv_offloaded_blocks = c.offloaded_blocks
+    stats.kv_offload_below_priority_blocks = c.offload_below_priority
     stats.kv_offload_seconds = c.offload_seconds
     stats.kv_offload_dropped_blocks = chain.writer.stats().dropped if chain.writer is not None else 0
     stats.num_swap_fallbacks = c.swap_fallbacks

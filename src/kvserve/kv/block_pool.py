@@ -217,9 +217,9 @@ class BlockPool:
             self.children.setdefault(parent_hash, {})[block.block_id] = block
         block.token_ids = token_ids
 
-    def cache_full_block(self, block: Block, block_hash: bytes, parent_hash: bytes | None = None) -> None:
+    def cache_full_block(self, block: Block, block_hash: bytes, parent_hash: bytes | None = None) -> bool:
         """Index a full block under its chain hash; `parent_hash` (None for a sequence's first
-        block) is for the KV events only."""
+        block) is for the KV events only. True when the index did not hold that hash before."""
         existing = self.cached.get(block_hash)
         if existing is None:
             block.block_hash = block_hash
@@ -227,10 +227,12 @@ class BlockPool:
             if self.events is not None:
                 self.events.add(BlockStored([block_hash], parent_hash, list(block.token_ids), self.block_size,
                                             None, MEDIUM_DEVICE))
-        elif existing is not block:
+            return True
+        if existing is not block:
             # Computed twice concurrently: keep the first copy in the index; this one is just
             # private memory of its request and leaves the partial index too.
             self._drop_content(block)
+        return False
 
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)

@@ -27,15 +27,18 @@ computes after that is never published to the prefix cache, so no other request 
 """
 from __future__ import annotations
 
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from kvserve.core.cache_retention import DEFAULT as DEFAULT_RETENTION
+from kvserve.core.cache_retention import DEFAULT_PRIORITY
 from kvserve.core.kv_compression import KVCompression
 from kvserve.core.request import Request
 from kvserve.core.step import BlockCopy, BlockOffload, BlockRestore
-from kvserve.kv.block_pool import Block, BlockPool
+from kvserve.kv.block_pool import UNSET, Block, BlockPool
 from kvserve.kv.events import KVEventSink
 from kvserve.kv.hashing import extend_block_hashes, root_hash
 from kvserve.kv.pins import Pin, PinTable
@@ -87,12 +90,13 @@ class KVCacheManager:
                  on_evict: Callable[[Block], None] | None = None,
                  tiers: "TierChain | None" = None, events: KVEventSink | None = None,
                  sliding_window: int | None = None, eviction_policy: str = "lru",
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, offload_min_priority: int = 0) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.kv_cache_dtype = kv_cache_dtype
         self.tiers = tiers
+        self.offload_min_priority = offload_min_priority
         self._user_on_evict = on_evict
         offload = tiers is not None and enable_caching and bool(tiers.tiers)
         self.pool = BlockPool(num_blocks, block_size, on_evict=self._on_evict if offload else on_evict,
@@ -105,6 +109,9 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         self._roots: dict[str, bytes] = {}
         self._committed: dict[str, int] = {}  # tokens recorded into blocks, per request
+        # Per request with blocks restored from a tier: the block index after them (what commit()
+        # registers before it is the cache read back, not a write).
+        self._restored_upto: dict[str, int] = {}
         self._copies: list[BlockCopy] = []
         self._offloads: list[BlockOffload] = []
         self._restores: list[BlockRestore] = []
@@ -287,6 +294,7 @@ class KVCacheManager:
                 blocks.append(dst)
             if hit.restored:
                 self.tiers.count_restored(hit.restored)
+                self._restored_upto[req.request_id] = hit.num_skipped + len(hit.blocks) + len(hit.restored)
             if hit.partial_src is not None:
                 # The copy runs before this step's forward; the source cannot be overwritten before
                 # then even if it is evicted below, since K/V is only written during the forward.
@@ -336,9 +344,9 @@ class KVCacheManager:
 
     def cached_blocks(self) -> list[BlockOffload]:
         """Every full block the pool holds under a chain hash, in use or cached-free: what an
-        engine shutting down hands to the lower tiers (write-back only happens on eviction)."""
-        return [BlockOffload(b.block_id, b.block_hash, tuple(b.token_ids)) for b in self.pool.blocks
-                if b.block_hash is not None]
+        engine shutting down hands to the lower tiers (write-back only happens on eviction); as
+        on eviction, not those below --kv-offload-min-priority or past their TTL."""
+        return [o for b in self.pool.blocks if b.block_hash is not None and (o := self._retained_offload(b)) is not None]
 
     def prompt_blocks(self, req: Request) -> list[BlockOffload]:
         """The full blocks of `req`'s prompt the pool still holds under their chain hashes, in order
@@ -380,9 +388,29 @@ class KVCacheManager:
 
     def _on_evict(self, block: Block) -> None:
         if block.block_hash is not None:  # only full blocks have a chain hash to be found by
-            self._offloads.append(BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids)))
+            offload = self._retained_offload(block)
+            if offload is not None:
+                self._offloads.append(offload)
+            else:
+                self.tiers.stats.offload_below_priority += 1
         if self._user_on_evict is not None:
             self._user_on_evict(block)
+
+    def _retained_offload(self, block: Block) -> BlockOffload | None:
+        """What the tiers store of an evicted block; None when the block is below
+        --kv-offload-min-priority or past its TTL: dropped, not written down."""
+        offload = self._offload_of(block)
+        if offload.expires <= time.time() or offload.priority < self.offload_min_priority:
+            return None
+        return offload
+
+    def _offload_of(self, block: Block) -> BlockOffload:
+        """A full block as the tiers store it, with its retention (the expiry turned into
+        wall-clock time: it outlives this process on disk and is shared through Redis)."""
+        priority = DEFAULT_PRIORITY if block.priority == UNSET else block.priority
+        expires = math.inf if block.expires == math.inf else time.time() + (block.expires - self.pool.clock())
+        return BlockOffload(block.block_id, block.block_hash, tuple(block.token_ids), priority=priority,
+                            expires=expires)
 
     # -- swap preemption ------------------------------------------------------------------------
     def swap_out(self, req: Request) -> bool:
@@ -427,6 +455,8 @@ class KVCacheManager:
             tokens = req.all_token_ids
             root = self._root(req)
             hashes = extend_block_hashes(req.block_hashes, root, tokens, bs, end)
+            first_write = self._restored_upto.get(req.request_id, 0)
+            prompt_blocks = req.num_prompt_tokens // bs
             for i in range(start // bs, (end - 1) // bs + 1):
                 block = blocks[i - gone]
                 lo, hi = i * bs, min((i + 1) * bs, end)
@@ -434,8 +464,9 @@ class KVCacheManager:
                 if block.block_hash is not None:
                     continue  # a shared cached block: already complete
                 self.pool.record_tokens(block, hashes[i - 1] if i else root, tokens[lo:hi])
-                if hi - lo == bs:
-                    self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else None)
+                if hi - lo == bs and self.pool.cache_full_block(block, hashes[i], hashes[i - 1] if i else None) \
+                        and first_write <= i < prompt_blocks:
+                    req.num_cache_write_tokens += bs
         self._committed[req.request_id] = end
         self._release(req, end)
 
@@ -487,6 +518,7 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(req.request_id, None)
         self._block_ids.pop(req.request_id, None)
         self._committed.pop(req.request_id, None)
+        self._restored_upto.pop(req.request_id, None)
         self._tier_memo.pop(req.request_id, None)
         self._logical.pop(req.request_id, None)
         self._released.pop(req.request_id, None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, Info, PlatformCollector,
                                ProcessCollector)
 
+from kvserve.core.cache_retention import DEFAULT as DEFAULT_RETENTION
 from kvserve.core.request_log import format_request_log_record
 from kvserve.engine.async_engine import StepEvent
 from kvserve.engine.outputs import RequestProgress
@@ -168,6 +169,8 @@ class ServerMetrics:
                                        "(divide by kv_restored_blocks for the mean per block).")
         self.offloaded_blocks = counter("kvserve:kv_offloaded_blocks", "Evicted device blocks copied down to the tiers.")
         self.offload_dropped = counter("kvserve:kv_offload_dropped_blocks", "Evicted blocks dropped: the tier writer queue was full.")
+        self.offload_below_priority = counter("kvserve:kv_offload_below_priority_blocks", "Evicted blocks not written "
+                                              "down: below --kv-offload-min-priority, or past their cache_retention TTL.")
         self.swapped_preemptions = counter("kvserve:num_swapped_preemptions", "Preemptions whose KV went to the host tier.")
         self.released_blocks = counter("kvserve:kv_released_blocks", "Blocks released from running sequences by "
                                        "reason (sliding_window | streaming | h2o | snapkv).", L + ["reason"])
@@ -295,6 +298,8 @@ class ServerMetrics:
         self._advance(rank, "krs", self.restore_seconds.labels(*m), getattr(s, "kv_restore_seconds", 0.0))
         self._advance(rank, "kob", self.offloaded_blocks.labels(*m), getattr(s, "kv_offloaded_blocks", 0))
         self._advance(rank, "kod", self.offload_dropped.labels(*m), getattr(s, "kv_offload_dropped_blocks", 0))
+        self._advance(rank, "kop", self.offload_below_priority.labels(*m),
+                      getattr(s, "kv_offload_below_priority_blocks", 0))
         self._advance(rank, "nsp", self.swapped_preemptions.labels(*m), getattr(s, "num_swapped_preemptions", 0))
         for reason, n in getattr(s, "kv_released_blocks", {}).items():
             self._advance(rank, "rel:" + reason, self.released_blocks.labels(*m, reason), n)
@@ -418,6 +423,8 @@ def request_log_fields(out) -> dict:
     return dict(request_id=out.request_id, prompt_tokens=len(out.prompt_token_ids),
                 output_tokens=sum(len(o.token_ids) for o in out.outputs),
                 cached_tokens=cached_prompt_tokens(out),
+                cache_write_tokens=out.num_cache_write_tokens,
+                cache_retention=(t.cache_retention or DEFAULT_RETENTION).as_dict(),
                 ttft=None if t.first_token_time is None else t.first_token_time - t.arrival_time,
                 e2e=end - t.arrival_time,
                 finish_reason=next((o.finish_reason for o in out.outputs if o.finish_reason), None),

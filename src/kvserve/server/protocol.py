@@ -188,7 +188,8 @@ class DetokenizeRequest(_Request):
 # ----- responses -----
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (OpenAI's, vLLM's)
+    cache_write_tokens: int = 0  # prompt tokens this request wrote to it (docs/serving.md: Usage)
 
 
 class UsageInfo(BaseModel):

@@ -400,7 +400,8 @@ class OpenAIServing:
                         P.CompletionStreamChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason,
                                                  stop_reason=o.stop_reason)])
                     if include_usage and continuous:
-                        chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
+                        chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens,
+                                                         out.num_cache_write_tokens)
                     yield sse_event(chunk.model_dump())  # every key, null ones too, as vLLM's stream
             if include_usage:
                 yield sse_event(P.CompletionChunk(id=admitted.request_id, created=created, model=self._served_name(req), choices=[],
@@ -513,7 +514,8 @@ class OpenAIServing:
                         stop_reason=o.stop_reason,
                         logprobs=chat_logprobs(o.delta_token_ids, o.delta_logprobs, req.top_logprobs))])
                     if include_usage and continuous:
-                        chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens)
+                        chunk.usage = self._choice_usage(len(out.prompt_token_ids), len(o.token_ids), out.num_cached_tokens,
+                                                         out.num_cache_write_tokens)
                     yield sse_event(chat_chunk(chunk))
             if include_usage and last is not None:
                 yield sse_event(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
@@ -533,19 +535,22 @@ class OpenAIServing:
         return finals
 
     @staticmethod
-    def _choice_usage(prompt: int, completion: int, cached: int) -> P.UsageInfo:
+    def _choice_usage(prompt: int, completion: int, cached: int, written: int = 0) -> P.UsageInfo:
         """continuous_usage_stats: one choice's counts so far, as vLLM reports them per chunk."""
         return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached,
+                                                                       cache_write_tokens=written))
 
     def _usage(self, finals: list) -> P.UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
         completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in finals)
+        written = sum(o.num_cache_write_tokens for o in finals)
         attended = [c.num_attended_tokens for o in finals for c in o.outputs if c.num_attended_tokens is not None]
         extra = {"kv_attended_tokens": sum(attended)} if attended else {}
         return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached), **extra)
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached, cache_write_tokens=written),
+                           **extra)
 
 
 async def _merge(admitted: _Admitted) -> AsyncIterator[tuple[int, object]]:

@@ -14,6 +14,8 @@ finished request, written by kvserve.core.request_log:
   prompt_tokens   int     prompt length in tokens
   output_tokens   int     generated tokens
   cached_tokens   int     prompt tokens served from the prefix cache (0 with prefix caching off)
+  cache_write_tokens int  prompt tokens the request wrote to the prefix cache (full blocks it added)
+  cache_retention {"priority": int, "ttl_s": float | null}   its effective cache_retention
   prompt_token_ids list[int], optional (present when the server logs token ids; enables prefix analysis)
   ttft            float | null   seconds from arrival to first token (null if none was produced)
   e2e             float   seconds from arrival to finish

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from kvserve.config import ConfigError
+from kvserve.core.cache_retention import DEFAULT as DEFAULT_RETENTION
+from kvserve.core.cache_retention import CacheRetentionError, parse_cache_retention
 
 # Token ids drawn for synthetic prompts: above the special tokens of common vocabularies (SmolLM2's
 # are < 17, Llama-3's sit at 128000+), below every supported vocab size.
@@ -203,12 +205,20 @@ def request_log_lines(path: str, what: str) -> Iterator[tuple[int, str]]:
                               "(kvserve serve --request-log writes one)") from None
 
 
+def _logged_retention(value) -> dict | None:
+    """A logged cache_retention; None (the default) when absent (a log from before the field) or
+    the default. Raises CacheRetentionError for a malformed one."""
+    retention = parse_cache_retention(value)
+    return None if retention is None or retention == DEFAULT_RETENTION else retention.as_dict()
+
+
 def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, prefix_len: int = 0,
                            seed: int = 0, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
                            default_output_len: int = 128) -> Trace:
     """kvserve's request log (see kvserve.tools.analyze) -> a single-turn trace.
 
-    Arrival = finish `time` - `e2e` when both are logged (else all at t=0), in log order. Records
+    Each request replays with its logged `cache_retention` (the effective one, a tenant's default
+    applied). Arrival = finish `time` - `e2e` when both are logged (else all at t=0), in log order. Records
     with prompt_token_ids replay those exact tokens; the others get random tokens of the logged
     length, the first min(prefix_len, len - 1) of them taken from one shared prefix on a
     `shared_prefix_fraction` of the records (a model of prefix reuse the log did not record).
@@ -233,7 +243,7 @@ def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, pr
               else None for r in rows]
     timed = None not in starts
     t0 = min(starts) if timed else 0.0
-    convs, synthesized = [], 0
+    convs, synthesized, bad_retention = [], 0, 0
     for i, r in enumerate(rows):
         ids = r.get("prompt_token_ids")
         if not isinstance(ids, list) and isinstance(r["prompt_tokens"], list):
@@ -247,7 +257,12 @@ def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, pr
         out = r.get("output_tokens", r.get("completion_tokens"))
         out_len = len(out) if isinstance(out, list) else int(out) if isinstance(out, int) and out > 0 else default_output_len
         arrival = (starts[i] - t0) if timed else 0.0
-        convs.append(Conversation(str(r.get("request_id", f"req-{i}")) + f"@{i}", arrival, [Turn(list(ids), out_len)]))
+        try:
+            retention = _logged_retention(r.get("cache_retention"))
+        except CacheRetentionError:
+            retention, bad_retention = None, bad_retention + 1
+        convs.append(Conversation(str(r.get("request_id", f"req-{i}")) + f"@{i}", arrival, [Turn(list(ids), out_len)],
+                                  cache_retention=retention))
     convs.sort(key=lambda c: c.arrival_time)  # stable: log order among equal arrivals
     notes = [f"{skipped} line(s) skipped"] if skipped else []
     if synthesized:
@@ -255,4 +270,6 @@ def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, pr
                      f"lengths (shared prefix {prefix_len} tokens on ~{shared_prefix_fraction:.0%} of them)")
     if not timed:
         notes.append("the log has no time/e2e for every record: all requests arrive at t=0")
+    if bad_retention:
+        notes.append(f"{bad_retention} record(s) with a malformed cache_retention replayed with the default")
     return Trace(convs, path, notes)

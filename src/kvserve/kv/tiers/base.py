@@ -25,6 +25,8 @@ from functools import cached_property
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 from kvserve.kv.events import BlockRemoved, BlockStored, KVEventSink
+from kvserve.kv.tiers.order import DEFAULT as DEFAULT_RETENTION
+from kvserve.kv.tiers.order import Retention
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +34,14 @@ logger = logging.getLogger(__name__)
 Buffer = Union[bytes, bytearray, memoryview]
 
 # Bump when the frame header or the block codec changes: old entries then read as incompatible.
-FORMAT_VERSION = 2  # 2: payloads carry the block's token ids
+# An older version's entries are refused as incompatible, and never even looked up: the version
+# is part of the fingerprint digest, so of every storage key.
+FORMAT_VERSION = 3  # 2: payloads carry the block's token ids; 3: headers carry the retention
 FRAME_MAGIC = b"KVT1"
-# magic, version, header_len, fingerprint digest, key_len, flags, payload_len, crc32
-_FRAME = struct.Struct("<4sHH16sHHQI")
+# magic, version, header_len, fingerprint digest, key_len, flags, payload_len,
+# retention priority, retention expiry (wall-clock seconds, inf: none), crc32
+_FRAME = struct.Struct("<4sHH16sHHQhdI")
+_VERSION = struct.Struct("<4sH")
 _CRC_OFFSET = _FRAME.size - 4
 _FLAG_NO_CRC = 1
 # Payloads start on a 64-byte boundary so tensor views over them are aligned.
@@ -124,14 +130,17 @@ def _check_key(key: bytes) -> None:
                         f"bytes; got {type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}")
 
 
-def frame_header(fingerprint: bytes, key: bytes, payload: Buffer, *, checksum: bool = True) -> bytes:
+def frame_header(fingerprint: bytes, key: bytes, payload: Buffer, *, checksum: bool = True,
+                 retention: Retention = DEFAULT_RETENTION) -> bytes:
     """The header to store in front of `payload`. The CRC covers every byte but its own.
+    `retention` travels with the entry, so a tier rebuilt from storage orders it as written.
     checksum=False (host RAM, which only the engine itself writes) skips the CRC pass and marks
     the frame so that a verifying reader refuses it rather than trusting it."""
     header_len = -(-(_FRAME.size + len(key)) // _ALIGN) * _ALIGN
     payload_len = memoryview(payload).nbytes
     flags = 0 if checksum else _FLAG_NO_CRC
-    head = _FRAME.pack(FRAME_MAGIC, FORMAT_VERSION, header_len, fingerprint, len(key), flags, payload_len, 0)
+    head = _FRAME.pack(FRAME_MAGIC, FORMAT_VERSION, header_len, fingerprint, len(key), flags, payload_len,
+                       retention.priority, retention.expires, 0)
     prefix = head[:_CRC_OFFSET]
     tail = key + bytes(header_len - _FRAME.size - len(key))  # key + padding
     crc = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(prefix))) if checksum else 0
@@ -147,11 +156,8 @@ def open_frame(fingerprint: bytes, key: bytes, blob: Buffer, *, verify_checksum:
     view = memoryview(blob).cast("B")
     if view.nbytes < _FRAME.size:
         raise FrameError("corrupt", f"truncated: {view.nbytes} bytes, shorter than the frame header")
-    magic, version, header_len, fp, key_len, flags, payload_len, crc = _FRAME.unpack_from(view)
-    if magic != FRAME_MAGIC:
-        raise FrameError("corrupt", f"bad magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
-        raise FrameError("incompatible", f"format version {version}, this engine reads {FORMAT_VERSION}")
+    _check_version(view)
+    magic, version, header_len, fp, key_len, flags, payload_len, _, _, crc = _FRAME.unpack_from(view)
     if fp != fingerprint:
         raise FrameError("incompatible", f"engine fingerprint {fp.hex()} != {fingerprint.hex()}")
     if header_len < _FRAME.size + key_len or view.nbytes != header_len + payload_len:
@@ -168,6 +174,32 @@ def open_frame(fingerprint: bytes, key: bytes, blob: Buffer, *, verify_checksum:
         if actual != crc:
             raise FrameError("corrupt", f"checksum mismatch ({actual:#010x} != {crc:#010x})")
     return payload
+
+
+def _check_version(view: memoryview) -> None:
+    if view.nbytes < _VERSION.size:
+        raise FrameError("corrupt", f"truncated: {view.nbytes} bytes, shorter than the frame header")
+    magic, version = _VERSION.unpack_from(view)
+    if magic != FRAME_MAGIC:
+        raise FrameError("corrupt", f"bad magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise FrameError("incompatible", f"format version {version}, this engine reads {FORMAT_VERSION}")
+    if view.nbytes < _FRAME.size:
+        raise FrameError("corrupt", f"truncated: {view.nbytes} bytes, shorter than the frame header")
+
+
+def frame_retention(fingerprint: bytes, head: Buffer) -> Retention:
+    """The retention stored in a frame's header (its first `HEADER_PEEK` bytes will do); raises
+    FrameError for an entry of another format version or engine."""
+    view = memoryview(head).cast("B")
+    _check_version(view)
+    fields = _FRAME.unpack_from(view)
+    if fields[3] != fingerprint:
+        raise FrameError("incompatible", f"engine fingerprint {fields[3].hex()} != {fingerprint.hex()}")
+    return Retention(fields[7], fields[8])
+
+
+HEADER_PEEK = _FRAME.size
 
 
 class KVTier(ABC):
@@ -194,10 +226,12 @@ class KVTier(ABC):
         self.block_size = 0
 
     # ---- public API: never raises on backend failure ----
-    def put(self, key: bytes, payload: Buffer, token_ids: Sequence[int] = ()) -> bool:
+    def put(self, key: bytes, payload: Buffer, token_ids: Sequence[int] = (),
+            retention: Retention = DEFAULT_RETENTION) -> bool:
         """Store `payload` under `key`; False when it was not stored (too large, backend failure).
-        `token_ids`, the block's tokens, are for the KV events only."""
-        stored = self._put(key, payload)
+        `token_ids`, the block's tokens, are for the KV events only. `retention` (the block's
+        priority and wall-clock expiry) decides what a full tier drops first."""
+        stored = self._put(key, payload, retention=retention)
         if stored and self.events is not None and len(key) == self.HASH_LEN:
             self.events.add(BlockStored([key], None, list(token_ids), self.block_size, None, self.medium))
         return stored
@@ -256,6 +290,11 @@ class KVTier(ABC):
     def usage(self) -> TierUsage:
         return self._usage()
 
+    def retain(self, key: bytes, retention: Retention) -> bool:
+        """A block stored here was evicted from the device again, maybe at another priority: it
+        keeps the higher one. False when the tier does not hold it or orders nothing itself."""
+        return False
+
     def stats(self) -> TierStats:
         with self._stats_lock:
             return replace(self._stats)
@@ -272,7 +311,8 @@ class KVTier(ABC):
     # ---- backend hooks ----
     @abstractmethod
     def _store(self, key: bytes, header: bytes, payload: Buffer, **options: Any) -> bool:
-        """Store header + payload (as one entry) under key; evict as needed; False if not stored."""
+        """Store header + payload (as one entry) under key; evict as needed, by `options["retention"]`
+        (a Retention) where the backend can; False if not stored."""
 
     @abstractmethod
     def _load(self, key: bytes) -> Buffer | None:
@@ -294,10 +334,11 @@ class KVTier(ABC):
         pass
 
     # ---- shared helpers ----
-    def _put(self, key: bytes, payload: Buffer, **options: Any) -> bool:
+    def _put(self, key: bytes, payload: Buffer, retention: Retention = DEFAULT_RETENTION, **options: Any) -> bool:
         _check_key(key)
         start = time.perf_counter()
-        header = frame_header(self._fp, key, payload, checksum=self.verify_checksums)
+        header = frame_header(self._fp, key, payload, checksum=self.verify_checksums, retention=retention)
+        options["retention"] = retention
         try:
             stored = self._store(key, header, payload, **options)
         except Exception as exc:

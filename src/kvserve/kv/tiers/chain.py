@@ -35,6 +35,8 @@ class ChainStats:
     restore_seconds: float = 0.0  # runner writes of restored blocks into the pool
     offloaded_blocks: int = 0  # evicted blocks copied down (host put and/or queued for the writer)
     offload_skipped: int = 0  # evicted blocks already held by every tier
+    # Evicted blocks not written down: below --kv-offload-min-priority, or past their TTL.
+    offload_below_priority: int = 0
     offload_seconds: float = 0.0  # engine-thread time reading + packing + host puts
     decode_failures: int = 0  # payloads that passed the frame check but do not fit this KV layout
     # Entries found under a block's hash that hold other tokens (a collision), by tier.

@@ -1,11 +1,14 @@
-"""Local-disk tier (`--kv-disk-path`, `--kv-disk-size`): one file per block, LRU under a size cap.
+"""Local-disk tier (`--kv-disk-path`, `--kv-disk-size`): one file per block under a size cap.
 
 Files are written to a temp name and renamed into place, so a reader (or a restart after a crash)
 sees a whole entry or none; a torn write after power loss shows up as a truncated frame, which
 the frame check turns into a counted miss. File names carry the engine fingerprint, so engines
 with different models or KV layouts can share a directory without ever reading each other's
-blocks. The LRU order lives in memory and is rebuilt at start from file mtimes (a hit touches
-the file), which is what lets a restarted server keep serving the prefixes it saw before.
+blocks. A full tier drops the lowest retention priority first, least recently used first within
+one, entries past their expiry before any (kv/tiers/order.py). The order lives in memory and is
+rebuilt at start from each file's header (priority, expiry) and mtime (a hit touches the file),
+which is what lets a restarted server keep serving the prefixes it saw before; files of another
+format version or engine are dropped first.
 
 One process per directory: an flock on `.lock` enforces it (two indexes over the same files
 would each evict by their own view of the size). Share blocks across servers through Redis.
@@ -19,10 +22,10 @@ import os
 import shutil
 import threading
 import time
-from collections import OrderedDict
 
 from kvserve.config import ConfigError
-from kvserve.kv.tiers.base import Buffer, EngineFingerprint, KVTier, TierUsage
+from kvserve.kv.tiers.base import HEADER_PEEK, Buffer, EngineFingerprint, FrameError, KVTier, TierUsage, frame_retention
+from kvserve.kv.tiers.order import DEFAULT, LOWEST, Retention, RetentionOrder
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +64,14 @@ class DiskTier(KVTier):
                               f"server its own directory (share KV across servers with --kv-redis-url)") from None
         self._dir_lock = threading.Lock()  # one recreation at a time (_recreate)
         self._prefix = fingerprint.hex + "-"
-        self._lru: OrderedDict[str, int] = OrderedDict()  # file name -> size, cold end first
+        self._order = RetentionOrder()  # file name -> size, in the order a full tier drops them
         self._used = 0
         self._lock = threading.Lock()
         self._clock_ns = 0
         self._rebuild_index()
         free = shutil.disk_usage(self.path).free + self._used
         if free < self.capacity_bytes:
-            # The cap is the only limit the LRU knows: past the free space, writes fail (counted
+            # The cap is the only limit the tier knows: past the free space, writes fail (counted
             # as errors) instead of evicting.
             logger.warning("--kv-disk-size %.1f GiB is more than the %.1f GiB free at %s; the disk tier will "
                            "stop storing blocks when the filesystem fills. Lower --kv-disk-size",
@@ -87,13 +90,35 @@ class DiskTier(KVTier):
         if found:
             self._clock_ns = found[-1][0]
         for _, name, size in found:
-            self._lru[name] = size
+            self._order.add(name, size, self._stored_retention(name))
             self._used += size
         victims = self._evict_locked(0)  # the cap may have shrunk since the last run
         for victim in victims:
             _unlink(os.path.join(self.path, victim))
         if victims:
             self._count(evictions=len(victims))
+
+    def _stored_retention(self, name: str) -> Retention:
+        try:
+            with open(os.path.join(self.path, name), "rb") as f:
+                return frame_retention(self._fp, f.read(HEADER_PEEK))
+        except (OSError, FrameError):  # another format or engine, or unreadable: nothing to keep it for
+            return Retention(LOWEST)
+
+    def retain(self, key: bytes, retention: Retention) -> bool:
+        """In the in-memory order only: the header keeps the priority it was written with, which
+        is what a restart rebuilds from."""
+        name = self.file_name(key)
+        with self._lock:
+            size = self._order.size(name)
+            if size is None:
+                return False
+            self._order.add(name, size, retention)
+            return True
+
+    def retention(self, key: bytes) -> Retention | None:
+        with self._lock:
+            return self._order.retention(self.file_name(key))
 
     def _stamp(self, path: str) -> None:
         """Set mtime to a strictly increasing now: the kernel's coarse file clock gives equal
@@ -114,23 +139,24 @@ class DiskTier(KVTier):
 
     def _evict_locked(self, incoming: int) -> list[str]:
         victims = []
-        while self._lru and self._used + incoming > self.capacity_bytes:
-            name, size = self._lru.popitem(last=False)
+        while self._order and self._used + incoming > self.capacity_bytes:
+            name, size = self._order.pop_victim()
             self._used -= size
             victims.append(name)
         return victims
 
-    def _store(self, key: bytes, header: bytes, payload: Buffer, _retry: bool = True) -> bool:
+    def _store(self, key: bytes, header: bytes, payload: Buffer, _retry: bool = True,
+               retention: Retention = DEFAULT) -> bool:
         name = self.file_name(key)
         size = len(header) + memoryview(payload).nbytes
         if size > self.capacity_bytes:
             return False
         with self._lock:
-            if name in self._lru:  # content-addressed: the stored copy is the same block
-                self._lru.move_to_end(name)
+            if name in self._order:  # content-addressed: the stored copy is the same block
+                self._order.add(name, self._order.size(name), retention)
                 return True
             victims = self._evict_locked(size)
-            # Not fitting after emptying the LRU means the rest is reserved by writes in flight.
+            # Not fitting after evicting everything means the rest is reserved by writes in flight.
             fits = self._used + size <= self.capacity_bytes
             if fits:
                 self._used += size  # reserve before writing so concurrent puts cannot overcommit
@@ -156,18 +182,18 @@ class DiskTier(KVTier):
             # The directory removed under us: make it again (or find it made by a metrics scrape's
             # _usage meanwhile) and write once more.
             if isinstance(exc, FileNotFoundError) and _retry and (self._recreate() or os.path.isdir(self.path)):
-                return self._store(key, header, payload, _retry=False)
+                return self._store(key, header, payload, _retry=False, retention=retention)
             with self._lock:
                 full = exc.errno == errno.ENOSPC and self._used > 0
                 if full:
                     # The filesystem filled before the cap: the cap becomes what is stored now,
-                    # so the LRU evicts from here on instead of every write failing.
+                    # so the tier evicts from here on instead of every write failing.
                     logger.warning("disk KV tier: %s is full at %.1f GiB, below --kv-disk-size %.1f GiB; "
                                    "keeping %.1f GiB from now on", self.path, self._used / 2**30,
                                    self.capacity_bytes / 2**30, self._used / 2**30)
                     self.capacity_bytes = self._used
             if full and self.capacity_bytes >= size:
-                return self._store(key, header, payload)  # evicts the coldest blocks to make room
+                return self._store(key, header, payload, retention=retention)  # evicts to make room
             raise
         except BaseException:
             _unlink(tmp)
@@ -175,25 +201,25 @@ class DiskTier(KVTier):
                 self._used -= size
             raise
         with self._lock:
-            if name in self._lru:  # a concurrent put of the same block landed first
+            if name in self._order:  # a concurrent put of the same block landed first
                 self._used -= size
             else:
-                self._lru[name] = size
+                self._order.add(name, size, retention)
         return True
 
     def _load(self, key: bytes) -> Buffer | None:
         name = self.file_name(key)
         with self._lock:
-            if name not in self._lru:
+            if name not in self._order:
                 return None
-            self._lru.move_to_end(name)
+            self._order.touch(name)
         path = os.path.join(self.path, name)
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 blob = bytearray(size)  # writable: tensors unpacked from it need no copy
                 got = f.readinto(blob)
-            self._stamp(path)  # persist the LRU order for the next start
+            self._stamp(path)  # persist the recency order for the next start
         except FileNotFoundError:  # removed behind our back: forget it
             self._forget(name)
             return None
@@ -205,7 +231,7 @@ class DiskTier(KVTier):
 
     def _contains(self, key: bytes) -> bool:
         with self._lock:
-            return self.file_name(key) in self._lru
+            return self.file_name(key) in self._order
 
     def _delete(self, key: bytes) -> bool:
         name = self.file_name(key)
@@ -216,7 +242,7 @@ class DiskTier(KVTier):
 
     def _forget(self, name: str) -> bool:
         with self._lock:
-            size = self._lru.pop(name, None)
+            size = self._order.pop(name)
             if size is None:
                 return False
             self._used -= size
@@ -246,9 +272,9 @@ class DiskTier(KVTier):
             old, self._lock_fd = self._lock_fd, fd
             os.close(old)
             with self._lock:
-                lost = list(self._lru)
-                self._used -= sum(self._lru.values())  # what puts in flight reserved stays reserved
-                self._lru.clear()
+                lost = list(self._order)
+                self._used -= sum(self._order.size(n) for n in lost)  # what puts in flight reserved stays
+                self._order.clear()
         logger.warning("disk tier: %s was removed while in use; made it again (the %d blocks stored there are "
                        "gone and will be recomputed)", self.path, len(lost))
         if self.on_lost is not None:
@@ -259,7 +285,7 @@ class DiskTier(KVTier):
         if not os.path.isdir(self.path):  # removed behind our back: what it held is gone
             self._recreate()
         with self._lock:
-            return TierUsage(self._used, self.capacity_bytes, len(self._lru))
+            return TierUsage(self._used, self.capacity_bytes, len(self._order))
 
     def _close(self) -> None:
         with self._dir_lock:  # not while _recreate swaps the lock's descriptor

@@ -1,24 +1,25 @@
 """Host-RAM tier (`--swap-space` GiB): the first level below the device pool.
 
 Entries live in uint8 arrays from `allocate` (kvserve.cache.offload passes page-locked memory on
-CUDA, so a restore is a DMA straight from them), kept in an LRU under a byte budget. Every
-operation is O(1) amortised: an OrderedDict gives LRU order, eviction pops from its cold end.
+CUDA, so a restore is a DMA straight from them), under a byte budget. A full tier drops the entry
+the device pool would have dropped first (kv/tiers/order.py): the lowest retention priority, the
+least recently used within one, entries past their expiry before any other.
 
 Swap preemption needs entries that must not be evicted while their request waits: `put_held`
-stores one outside the LRU (it still counts against the budget) until `release` or `delete`.
+stores one outside that order (it still counts against the budget) until `release` or `delete`.
 Checksums are not verified on read by default: this memory is the engine's own; the frame's
 fingerprint, key and length are still checked.
 """
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
 
 from kvserve.config import ConfigError
 from kvserve.kv.tiers.base import Buffer, EngineFingerprint, KVTier, TierUsage
+from kvserve.kv.tiers.order import DEFAULT, Retention, RetentionOrder
 
 
 class HostTier(KVTier):
@@ -34,7 +35,8 @@ class HostTier(KVTier):
         super().__init__(fingerprint, verify_checksums=verify_checksums)
         self.capacity_bytes = int(capacity_bytes)
         self._allocate = allocate or (lambda nbytes: np.empty(nbytes, dtype=np.uint8))
-        self._lru: OrderedDict[bytes, np.ndarray] = OrderedDict()  # cold end first
+        self._entries: dict[bytes, np.ndarray] = {}  # evictable entries
+        self._order = RetentionOrder()  # ... and which goes first
         self._held: dict[bytes, np.ndarray] = {}
         self._used = 0
         self._held_bytes = 0
@@ -46,12 +48,12 @@ class HostTier(KVTier):
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of held (swap) entries: the part of the budget LRU eviction cannot free."""
+        """Bytes of held (swap) entries: the part of the budget eviction cannot free."""
         with self._lock:
             return self._held_bytes
 
     def put_held(self, key: bytes, payload: Buffer) -> bool:
-        """Store an entry that LRU eviction must not touch (a swapped-out request's block)."""
+        """Store an entry that eviction must not touch (a swapped-out request's block)."""
         return self._put(key, payload, held=True)
 
     def release(self, key: bytes) -> bool:
@@ -61,30 +63,48 @@ class HostTier(KVTier):
             if entry is None:
                 return False
             self._held_bytes -= entry.nbytes
-            self._lru[key] = entry
+            self._entries[key] = entry
+            self._order.add(key, entry.nbytes)
             return True
 
-    def _store(self, key: bytes, header: bytes, payload: Buffer, held: bool = False) -> bool:
+    def retain(self, key: bytes, retention: Retention) -> bool:
+        """A block already stored here was evicted from the device again, maybe at another
+        priority: it keeps the higher one and becomes the most recently used."""
+        with self._lock:
+            if key not in self._entries:
+                return False
+            self._order.add(key, self._entries[key].nbytes, retention)
+            return True
+
+    def retention(self, key: bytes) -> Retention | None:
+        with self._lock:
+            return self._order.retention(key)
+
+    def _store(self, key: bytes, header: bytes, payload: Buffer, held: bool = False,
+               retention: Retention = DEFAULT) -> bool:
         size = len(header) + memoryview(payload).nbytes
         with self._lock:
-            if key in self._lru or key in self._held:
-                if held and key in self._lru:  # promote the present copy rather than store it twice
-                    entry = self._lru.pop(key)
+            if key in self._entries or key in self._held:
+                if held and key in self._entries:  # promote the present copy rather than store it twice
+                    entry = self._entries.pop(key)
+                    self._order.pop(key)
                     self._held[key] = entry
                     self._held_bytes += entry.nbytes
-                elif key in self._lru:
-                    self._lru.move_to_end(key)
+                elif key in self._entries:
+                    self._order.add(key, self._entries[key].nbytes, retention)
                 return True
             if size > self.capacity_bytes - self._held_bytes:
                 return False
             evicted: list[bytes] = []
             while self._used + size > self.capacity_bytes:
-                if not self._lru:  # the rest is held or reserved by puts in flight
+                popped = self._order.pop_victim()
+                if popped is None:  # the rest is held or reserved by puts in flight
                     self._count(evictions=len(evicted))
                     self._removed(evicted)
                     return False
-                victim_key, victim = self._lru.popitem(last=False)
-                self._used -= victim.nbytes
+                victim_key, victim_size = popped
+                del self._entries[victim_key]
+                self._used -= victim_size
                 evicted.append(victim_key)
             # Reserve the bytes now so a concurrent put cannot overcommit while we copy.
             self._used += size
@@ -100,20 +120,21 @@ class HostTier(KVTier):
                 self._used -= size
             raise
         with self._lock:
-            if key in self._lru or key in self._held:  # a concurrent put of the same block won
+            if key in self._entries or key in self._held:  # a concurrent put of the same block won
                 self._used -= size
             elif held:
                 self._held[key] = entry
                 self._held_bytes += size
             else:
-                self._lru[key] = entry
+                self._entries[key] = entry
+                self._order.add(key, size, retention)
         return True
 
     def _load(self, key: bytes) -> Buffer | None:
         with self._lock:
-            entry = self._lru.get(key)
+            entry = self._entries.get(key)
             if entry is not None:
-                self._lru.move_to_end(key)
+                self._order.touch(key)
             else:
                 entry = self._held.get(key)
         # The view keeps the entry alive past an eviction.
@@ -121,12 +142,14 @@ class HostTier(KVTier):
 
     def _contains(self, key: bytes) -> bool:
         with self._lock:
-            return key in self._lru or key in self._held
+            return key in self._entries or key in self._held
 
     def _delete(self, key: bytes) -> bool:
         with self._lock:
-            entry = self._lru.pop(key, None)
-            if entry is None:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._order.pop(key)
+            else:
                 entry = self._held.pop(key, None)
                 if entry is None:
                     return False
@@ -136,10 +159,11 @@ class HostTier(KVTier):
 
     def _usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(self._used, self.capacity_bytes, len(self._lru) + len(self._held))
+            return TierUsage(self._used, self.capacity_bytes, len(self._entries) + len(self._held))
 
     def _close(self) -> None:
         with self._lock:
-            self._lru.clear()
+            self._entries.clear()
+            self._order.clear()
             self._held.clear()
             self._used = self._held_bytes = 0

@@ -8,11 +8,16 @@ call after the interval probes again, and a success logs the recovery and resets
 
 Keys are `prefix + fingerprint digest + chain hash` (binary), so engines with different models or
 KV layouts share one Redis without seeing each other's blocks. An optional TTL bounds how long
-blocks stay; otherwise Redis's own maxmemory policy (allkeys-lru suits a cache) evicts.
+blocks stay; otherwise Redis's own maxmemory policy (allkeys-lru suits a cache) evicts. A block
+whose retention has a TTL (`cache_retention.ttl_s`) gets the time it has left as its Redis expiry
+(the shorter of the two when both are set). Priorities do not reach Redis's eviction: kvserve
+never trims a shared Redis; what it drops when full is its maxmemory policy's choice, so the
+priority gate on writing down (--kv-offload-min-priority) is what keeps low-priority blocks out.
 """
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -26,6 +31,7 @@ from redis.retry import Retry
 
 from kvserve.config import ConfigError
 from kvserve.kv.tiers.base import Buffer, EngineFingerprint, KVTier, TierUsage
+from kvserve.kv.tiers.order import DEFAULT, Retention
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +140,24 @@ class RedisTier(KVTier):
             self._backoff = self.backoff_initial
         logger.info("Redis KV tier at %s reachable again after %.1fs", self.url, outage)
 
-    def _store(self, key: bytes, header: bytes, payload: Buffer) -> bool:
+    def expiry_ms(self, retention: Retention) -> int | None:
+        """The Redis expiry of an entry: the tier's TTL and the block's time left, the shorter;
+        0 when the block's retention has already run out (not worth a round trip)."""
+        ttl = self.ttl_ms
+        if retention.expires != math.inf:
+            left = int((retention.expires - time.time()) * 1000)
+            if left <= 0:
+                return 0
+            ttl = left if ttl is None else min(ttl, left)
+        return ttl
+
+    def _store(self, key: bytes, header: bytes, payload: Buffer, retention: Retention = DEFAULT) -> bool:
+        px = self.expiry_ms(retention)
+        if px == 0:
+            return False
         # Redis takes one value: join header and payload (one copy, same as the wire would need).
         value = b"".join((header, memoryview(payload).cast("B")))
-        result = self._call(self._client.set, self.redis_key(key), value, px=self.ttl_ms)
+        result = self._call(self._client.set, self.redis_key(key), value, px=px)
         return result is not _UNAVAILABLE and bool(result)
 
     def _load(self, key: bytes) -> Buffer | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kvserve.kv.tiers.base import Buffer, KVTier
+from kvserve.kv.tiers.order import DEFAULT, Retention
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class AsyncWriter:
         self.max_queue_bytes = max_queue_bytes
         self._queue: OrderedDict[bytes, Buffer] = OrderedDict()  # FIFO, and key -> payload for reads
         self._tokens: dict[bytes, Sequence[int]] = {}  # queued blocks' token ids, for KV events
+        self._retention: dict[bytes, Retention] = {}  # queued blocks' retention, where not the default
         self._in_flight: tuple[bytes, Buffer] | None = None
         self._cond = threading.Condition()
         self._stats = WriterStats()
@@ -49,9 +51,10 @@ class AsyncWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, key: bytes, payload: Buffer, token_ids: Sequence[int] = ()) -> bool:
+    def submit(self, key: bytes, payload: Buffer, token_ids: Sequence[int] = (),
+               retention: Retention = DEFAULT) -> bool:
         """Queue a block for writing; False (and counted) when the queue is full or closed.
-        `token_ids` go to the tiers' KV events."""
+        `token_ids` go to the tiers' KV events, `retention` to the tiers' eviction order."""
         size = memoryview(payload).nbytes
         with self._cond:
             if key in self._queue or (self._in_flight is not None and self._in_flight[0] == key):
@@ -62,6 +65,8 @@ class AsyncWriter:
             self._queue[key] = payload
             if token_ids:
                 self._tokens[key] = token_ids
+            if retention != DEFAULT:
+                self._retention[key] = retention
             self._stats.submitted += 1
             self._stats.queued += 1
             self._stats.queued_bytes += size
@@ -94,6 +99,7 @@ class AsyncWriter:
                 self._stats.queued = self._stats.queued_bytes = 0
                 self._queue.clear()
                 self._tokens.clear()
+                self._retention.clear()
             self._cond.notify_all()
         self._thread.join(timeout)
 
@@ -105,12 +111,13 @@ class AsyncWriter:
                     return  # closed and drained
                 key, payload = self._queue.popitem(last=False)
                 token_ids = self._tokens.pop(key, ())
+                retention = self._retention.pop(key, DEFAULT)
                 self._in_flight = (key, payload)
                 self._stats.queued -= 1
                 self._stats.queued_bytes -= memoryview(payload).nbytes
             for tier in self.tiers:
                 try:
-                    stored = tier.put(key, payload, token_ids)
+                    stored = tier.put(key, payload, token_ids, retention)
                 except Exception:  # tiers do not raise on backend faults; this is a bug, keep writing
                     logger.exception("KV tier writer: %s tier raised on put", tier.name)
                     stored = False
