@@ -5,6 +5,7 @@ embedder's time per question, and a lookup's time in a filled store. With --serv
 similar enough), end-to-end latency of each. Prints a table, writes JSON.
 
     python bench/semantic_cache.py [--out bench/results/semantic_cache.json] [--entries 10000] [--serve]
+                                   [--redis redis://127.0.0.1:6379/0]
 """
 from __future__ import annotations
 

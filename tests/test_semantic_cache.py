@@ -295,10 +295,17 @@ def test_a_lost_redis_is_a_miss_not_an_error(embedder, redis_server):
         front.close()
 
 
-def test_bad_redis_urls_are_config_errors():
+def test_bad_redis_urls_are_config_errors(redis_server):
     from kvserve.errors import ConfigError
-    with pytest.raises(ConfigError, match="redis://host:port/db"):
-        SemanticCache("redis://127.0.0.1:notaport/0", 384)
+    from kvserve.semantic_cache.base import check_location
+    check_location(redis_server.url), check_location("/var/lib/cache.db")
+    for url in ("redis://127.0.0.1:notaport/0", "redis://127.0.0.1:6379/notadb"):
+        with pytest.raises(ConfigError, match="redis://host:port/db"):
+            check_location(url)
+        with pytest.raises(ConfigError, match="redis://host:port/db"):
+            SemanticCache(url, 384)
+    with pytest.raises(ConfigError, match="database index"):  # Redis answers and refuses
+        SemanticCache(redis_server.url.replace("/0", "/99"), 384)
 
 
 # ----- servers: sharing one Redis, restarting on one file -----

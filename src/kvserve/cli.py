@@ -256,6 +256,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     env_key = envs.VLLM_API_KEY
     auth = Authenticator(load_api_keys(ns.api_key or ([env_key] if env_key else []), ns.api_keys_file))
     names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    if ns.semantic_cache:  # a mistyped URL fails before the model loads
+        from kvserve.semantic_cache.base import check_location
+        check_location(ns.semantic_cache)
     llm = AsyncLLM.from_engine_args(args)
     disable_created_metrics()  # no *_created series: monitoring greps see one line per metric
     metrics = ServerMetrics(names[0], llm.max_model_len, args, initial_stats=llm.stats_by_rank)

@@ -64,6 +64,25 @@ def entry_bytes(query: str, response: str, embedding: np.ndarray) -> int:
     return len(query.encode()) + len(response.encode()) + embedding.nbytes
 
 
+def check_location(location: str) -> None:
+    """A ConfigError for a Redis URL that cannot be parsed (a path is checked when opened)."""
+    if not location.startswith(REDIS_SCHEMES):
+        return
+    from urllib.parse import urlsplit
+
+    from redis.connection import parse_url
+
+    from kvserve.errors import ConfigError
+    db = urlsplit(location).path.strip("/")
+    if not location.startswith("unix://") and db and not db.isdigit():
+        raise ConfigError(f"--semantic-cache {location!r}: the database {db!r} is not a number; use "
+                          f"redis://host:port/db")
+    try:
+        parse_url(location)
+    except ValueError as e:
+        raise ConfigError(f"--semantic-cache {location!r}: {e}; use redis://host:port/db") from None
+
+
 def open_store(location: str | None, dim: int, max_entries: int = 100_000) -> Store:
     """location: a Redis URL, a SQLite file, or None (SQLite in memory)."""
     if location and location.startswith(REDIS_SCHEMES):

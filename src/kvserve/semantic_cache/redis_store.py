@@ -32,7 +32,7 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from kvserve.errors import ConfigError
-from kvserve.semantic_cache.base import Row, Store, StoreUnavailable, entry_bytes
+from kvserve.semantic_cache.base import Row, Store, StoreUnavailable, check_location, entry_bytes
 
 logger = logging.getLogger("kvserve.semantic_cache")
 
@@ -95,11 +95,9 @@ class RedisStore(Store):
     def __init__(self, url: str, dim: int, max_entries: int = 100_000, *, prefix: str = "kvserve-semantic:",
                  socket_timeout: float = 0.25, backoff_initial: float = 0.5, backoff_max: float = 30.0):
         self.url, self.dim, self.prefix = url, dim, prefix
-        try:
-            self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout,
-                                                socket_connect_timeout=socket_timeout, health_check_interval=0)
-        except ValueError as e:
-            raise ConfigError(f"--semantic-cache {url!r}: {e}; use redis://host:port/db") from None
+        check_location(url)
+        self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+                                            health_check_interval=0)
         self._add = self._client.register_script(_ADD)
         self._delete = self._client.register_script(_DELETE)
         # embeddings by id, at most as many as the cache keeps: entries never change once written
