@@ -3,6 +3,7 @@ server end to end with the openai client."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -383,3 +384,46 @@ def test_a_corrupt_store_starts_empty_and_a_restarted_server_hits(tmp_path):
         assert hit.parse().choices[0].message.content == first.parse().choices[0].message.content
     finally:
         sigterm(server)
+
+
+def test_redis_stores_stay_in_step_under_interleaved_adds_and_deletes(redis_server):
+    """Two servers' stores adding, evicting, clearing and looking up in turn: each lookup finds the
+    nearest live entry, as a scan of the live entries does."""
+    import random
+
+    import numpy as np
+
+    from kvserve.semantic_cache.redis_store import RedisStore
+    rng, gen = random.Random(0), np.random.default_rng(0)
+    stores = [RedisStore(redis_server.url, 8), RedisStore(redis_server.url, 8)]
+    live: dict[int, tuple[str, str, np.ndarray]] = {}  # id -> (key, tenant, vector)
+    for step in range(300):
+        store, op = rng.choice(stores), rng.random()
+        key, tenant = rng.choice(["k1", "k2"]), rng.choice(["t1", "t2"])
+        if op < 0.5:
+            v = gen.standard_normal(8).astype(np.float32)
+            v /= np.linalg.norm(v)
+            live[store.add(key, tenant, "q", "r", v, 3600, 0.0)] = (key, tenant, v)
+        elif op < 0.6 and live:
+            n = rng.randint(1, 3)
+            assert store.evict_oldest(n) == min(n, len(live))
+            for i in sorted(live)[:n]:  # never touched here: the oldest used are the oldest added
+                del live[i]
+        elif op < 0.65:
+            assert store.clear(tenant) == sum(t == tenant for _, t, _ in live.values())
+            live = {i: e for i, e in live.items() if e[1] != tenant}
+        else:
+            q = gen.standard_normal(8).astype(np.float32)
+            mine = {i: v for i, (k, _, v) in live.items() if k == key}
+            found = store.nearest(key, q, time.time())
+            if not mine:
+                assert found is None, step
+            else:
+                assert found is not None and found[0].id == max(mine, key=lambda i: float(mine[i] @ q)), step
+        assert store.totals() == (len(live), sum(store_bytes(v) for *_, v in live.values()))
+    for s in stores:
+        s.close()
+
+
+def store_bytes(v) -> int:
+    return len(b"q") + len(b"r") + v.nbytes

@@ -201,6 +201,8 @@ class RedisStore(Store):
             parts.append((np.array([i for i, _ in new]), np.array([v[1] for _, v in new]),
                           np.stack([v[0] for _, v in new])))
         group = tuple(np.concatenate(x) for x in zip(*parts)) if parts else None
+        # ids added after the version was read are in: the next read starts above them
+        added = max([added, *ids])
         with self._lock:
             self._groups[key] = (added, deleted, group)
             self._groups.move_to_end(key)
