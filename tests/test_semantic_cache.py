@@ -330,8 +330,14 @@ def test_two_servers_share_one_redis(redis_server, tmp_path):
     args = (*SERVER_ARGS, "--api-keys-file", str(tmp_path / "keys.json"), "--semantic-cache", redis_server.url)
     a = start_server(*args)
     try:
+        redis_server.kill()  # B starts while Redis is down: a warning, and it serves
         b = start_server(*args)
         try:
+            assert "unavailable" in b.log()
+            assert outcome(ask(b, "key-alice", Q)) == "miss"
+            redis_server.start()
+            wait_until(lambda: entries(b, "key-alice") == 0, 60, interval=0.5, what="B finding Redis")
+            wait_until(lambda: entries(a, "key-alice") == 0, 60, interval=0.5, what="A finding Redis again")
             first = ask(a, "key-alice", Q)
             assert outcome(first) == "miss"
             answer = first.parse().choices[0].message.content
