@@ -4,7 +4,8 @@ Throughput: a chat workload where 30 / 60 / 90 % of the questions repeat, by mea
 before (the paraphrase pairs of bench/data/paraphrase_pairs.jsonl: a group is introduced by its
 first question and repeated by its paraphrase), the rest unique; `--concurrency` clients send
 `--requests` questions in order, streamed. The same sequence against a server with
---semantic-cache and one without: requests/s, TTFT and latency p50/p99, hit rate.
+--semantic-cache (`--store`: its PATH or Redis URL) and one without, both up at once and the
+runs interleaved: requests/s, TTFT and latency p50/p99, hit rate.
 
 Decode interference: `--streams` streamed decodes of `--decode-tokens` tokens (semantic_cache
 false: never looked up) while one client sends unique questions one after another (max_tokens 1;
@@ -12,7 +13,8 @@ on the cache's server with semantic_cache_threshold 1.0, so each is a lookup tha
 embedding, a scan, a store). Inter-token latency of the decodes with the cache on and off, and
 with no other requests. Prints tables, writes JSON.
 
-    python bench/semantic_cache_load.py [--out bench/results/semantic_cache_load.json]
+    python bench/semantic_cache_load.py [--out bench/results/semantic_cache_load.json] [--max-tokens 32]
+                                        [--store redis://127.0.0.1:6379/0] [--modes off,on]
 """
 from __future__ import annotations
 
@@ -127,34 +129,45 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--store", metavar="PATH|URL", help="the cache's --semantic-cache (default: a new SQLite file); "
+                    "a Redis URL's database is flushed")
+    ap.add_argument("--modes", default="off,on", help="servers to run: off (no cache), on, or both")
     a = ap.parse_args()
     pairs = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     args = ("--max-model-len", "512", "--disable-log-stats")
     result = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "args": vars(a),
               "throughput": {}, "interference": {}}
     store = tempfile.mkdtemp(prefix="kvserve-semantic-load-")
-    for mode in ("off", "on"):
-        extra = ("--semantic-cache", os.path.join(store, "cache.db")) if mode == "on" else ()
-        server = start_server(*args, *extra)
-        try:
-            stream_chat(server.url, "Hello!", 4, semantic_cache=False)  # warm up
-            for mix in MIXES:
+    if a.store and a.store.startswith("redis"):
+        import redis
+        redis.Redis.from_url(a.store).flushdb()
+    servers = {}
+    try:
+        # both servers up at once, the runs interleaved: load from other work on a shared machine
+        # falls on both alike
+        for mode in a.modes.split(","):
+            extra = ("--semantic-cache", a.store or os.path.join(store, "cache.db")) if mode == "on" else ()
+            servers[mode] = start_server(*args, *extra)
+            stream_chat(servers[mode].url, "Hello!", 4, semantic_cache=False)  # warm up
+        for mix in MIXES:
+            for mode, server in servers.items():
                 if mode == "on":
                     httpx.delete(f"{server.url}/v1/semantic_cache", timeout=30).raise_for_status()
-                seq = workload(mix, a.requests, pairs)
-                r = throughput(server.url, seq, a.concurrency, a.max_tokens)
+                r = throughput(server.url, workload(mix, a.requests, pairs), a.concurrency, a.max_tokens)
                 result["throughput"][f"{mix:.0%} {mode}"] = r
                 print(f"{mix:.0%} repeated, cache {mode}: {r['rps']:.2f} req/s, TTFT p50 {r['ttft_p50_ms']:.0f} "
                       f"p99 {r['ttft_p99_ms']:.0f} ms, latency p50 {r['latency_p50_ms']:.0f} p99 "
                       f"{r['latency_p99_ms']:.0f} ms, hits {r['hit_rate']:.0%}", flush=True)
-            cases = {"off": {"alone": None, "with lookups": {}},
-                     "on": {"with lookups": {"semantic_cache_threshold": 1.0}}}[mode]
-            for name, side in cases.items():
-                r = interference(server.url, a.streams, a.decode_tokens, side)
+        cases = [("off", "alone", None), ("off", "with lookups", {}),
+                 ("on", "with lookups", {"semantic_cache_threshold": 1.0})]
+        for mode, name, side in cases:
+            if mode in servers:
+                r = interference(servers[mode].url, a.streams, a.decode_tokens, side)
                 result["interference"][f"cache {mode}, {name}"] = r
                 print(f"decode ITL, cache {mode}, {name}: p50 {r['itl_p50_ms']:.1f} ms, p99 {r['itl_p99_ms']:.1f} ms "
                       f"({r['side_requests']} other requests)", flush=True)
-        finally:
+    finally:
+        for server in servers.values():
             server.stop()
     print("\n| repeated | cache | req/s | TTFT p50 / p99 ms | latency p50 / p99 ms | hit rate |\n|---|---|---:|---:|---:|---:|")
     for k, r in result["throughput"].items():
