@@ -258,6 +258,22 @@ def test_redis_expiry_and_size_cap(embed, redis_server):
     cache.close(), other.close()
 
 
+def test_keys_redis_evicted_itself_are_misses_and_stop_the_size_cap(embed, redis_server):
+    """A Redis with maxmemory and an allkeys policy may evict any of the store's keys: a miss, and
+    the size cap does not loop on counts left too high."""
+    import redis
+    cache = SemanticCache(redis_server.url, 384, max_entries=1)
+    cache.insert(key(), None, Q, embed(Q), {"content": "Paris."})
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.delete(*raw.keys("kvserve-semantic:e:*"), "kvserve-semantic:used")
+    assert cache.lookup(key(), embed(Q)) is None
+    raw.delete("kvserve-semantic:used")
+    raw.hset("kvserve-semantic:totals", "n", 5)  # counts high, nothing listed to evict: the insert returns
+    cache.insert(key(), None, UNRELATED, embed(UNRELATED), {"content": "Flour."})
+    assert cache.lookup(key(), embed(Q)) is None
+    cache.close()
+
+
 def test_redis_down_at_start_warns_and_recovers(embed, caplog):
     """Redis not there at start-up: the cache starts (every lookup a miss) and finds it when it comes."""
     from redis_server import RedisServer

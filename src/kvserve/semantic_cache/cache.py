@@ -51,9 +51,11 @@ class SemanticCache:
         self.store.expire(time.time())
         while True:
             entries, nbytes = self.store.totals()
+            # nothing left to evict: counts a Redis that evicts on its own has left too high
             if (entries <= self.max_entries and nbytes <= self.max_bytes) or not entries:
                 return
-            self.store.evict_oldest(max(1, entries // 100))
+            if not self.store.evict_oldest(max(1, entries // 100)):
+                return
 
     def size(self, tenant: str | None) -> dict:
         entries, nbytes = self.store.totals(tenant_id(tenant))

@@ -110,7 +110,7 @@ class RedisStore(Store):
         self._retry_at, self._backoff = 0.0, backoff_initial
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         try:
-            self._call(self._client.ping)
+            self._call(self._client.ping, refusal=True)
         except ResponseError as e:  # it answered and refused: a setting to fix, not an outage
             raise ConfigError(f"--semantic-cache {url!r}: Redis refused the connection ({e}); check the "
                               f"database index and credentials") from None
@@ -119,14 +119,18 @@ class RedisStore(Store):
 
     # ----- Redis calls, with the outage handling -----
 
-    def _call(self, fn, *args, **kwargs):
+    def _call(self, fn, *args, refusal: bool = False, **kwargs):
+        """fn's result; StoreUnavailable when Redis is down or refuses (refusal: re-raise that)."""
         with self._lock:
             if self._down_since is not None and time.monotonic() < self._retry_at:
                 raise StoreUnavailable(f"Redis at {self.url} is down")
         try:
             result = fn(*args, **kwargs)
-        except ResponseError:
-            raise
+        except ResponseError as e:
+            if refusal:
+                raise
+            # it answered and refused this command (e.g. OOM under noeviction): not an outage
+            raise StoreUnavailable(f"Redis at {self.url} refused: {e}") from None
         except (RedisError, OSError) as e:
             self._mark_down(e)
             raise StoreUnavailable(f"Redis at {self.url}: {e}") from None
