@@ -211,10 +211,11 @@ def _add_serve(sub) -> None:
     s.add_argument("--shutdown-timeout", type=_non_negative, default=0.0, metavar="SECONDS",
                    help="on SIGTERM / SIGINT, let requests in flight finish for up to SECONDS, then end the "
                         "rest with an error (vLLM's; default 0: end them at once). New requests are refused")
-    s.add_argument("--semantic-cache", nargs="?", const="", default=None, metavar="PATH",
+    s.add_argument("--semantic-cache", nargs="?", const="", default=None, metavar="PATH|URL",
                    help="answer a chat question that means the same as a cached one (same model, tenant, earlier "
                         "turns and sampling settings) from the cache, without the model; greedy requests only "
-                        "unless a request opts in. PATH: the SQLite store (default: in memory)")
+                        "unless a request opts in. PATH: the SQLite store (default: in memory); "
+                        "redis://host:port/db: a Redis store that every server pointed at it shares")
     s.add_argument("--semantic-cache-threshold", type=_unit_interval, default=0.9, metavar="SIMILARITY",
                    help="cosine similarity of the last user message a hit needs, in (0, 1] (default: %(default)s)")
     s.add_argument("--semantic-cache-ttl", type=_positive_float, default=3600.0, metavar="SECONDS",
@@ -255,6 +256,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     env_key = envs.VLLM_API_KEY
     auth = Authenticator(load_api_keys(ns.api_key or ([env_key] if env_key else []), ns.api_keys_file))
     names = ns.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    if ns.semantic_cache:  # a mistyped URL fails before the model loads
+        from kvserve.semantic_cache.base import check_location
+        check_location(ns.semantic_cache)
     llm = AsyncLLM.from_engine_args(args)
     disable_created_metrics()  # no *_created series: monitoring greps see one line per metric
     metrics = ServerMetrics(names[0], llm.max_model_len, args, initial_stats=llm.stats_by_rank)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvserve.semantic_cache.base import open_store
 from kvserve.semantic_cache.key import CacheKey, tenant_id
-from kvserve.semantic_cache.store import Store
 
 
 @dataclass
@@ -23,7 +23,9 @@ class Hit:
 class SemanticCache:
     def __init__(self, path: str | None, dim: int, threshold: float = 0.9, ttl: float = 3600.0,
                  max_entries: int = 100_000, max_bytes: int = 1 << 30):
-        self.store = Store(path, dim)
+        """path: a SQLite file, a Redis URL (redis://host:port/db: shared by every server on it), or
+        None (in memory)."""
+        self.store = open_store(path, dim, max_entries)
         self.threshold, self.ttl = threshold, ttl
         self.max_entries, self.max_bytes = max_entries, max_bytes
 
@@ -46,12 +48,14 @@ class SemanticCache:
         self._evict()
 
     def _evict(self) -> None:
-        self.store.delete("expires<=?", (time.time(),))
+        self.store.expire(time.time())
         while True:
             entries, nbytes = self.store.totals()
-            if entries <= self.max_entries and nbytes <= self.max_bytes:
+            # nothing left to evict: counts a Redis that evicts on its own has left too high
+            if (entries <= self.max_entries and nbytes <= self.max_bytes) or not entries:
                 return
-            self.store.delete("id IN (%s)" % ",".join(map(str, self.store.oldest_used(max(1, entries // 100)))))
+            if not self.store.evict_oldest(max(1, entries // 100)):
+                return
 
     def size(self, tenant: str | None) -> dict:
         entries, nbytes = self.store.totals(tenant_id(tenant))
@@ -61,7 +65,7 @@ class SemanticCache:
         return self.store.totals()
 
     def clear(self, tenant: str | None) -> int:
-        return self.store.delete("tenant=?", (tenant_id(tenant),))
+        return self.store.clear(tenant_id(tenant))
 
     def close(self) -> None:
         self.store.close()

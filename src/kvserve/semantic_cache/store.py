@@ -9,9 +9,10 @@ import os
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
+
+from kvserve.semantic_cache.base import Row, Store, entry_bytes
 
 logger = logging.getLogger("kvserve.semantic_cache")
 
@@ -23,20 +24,7 @@ CREATE INDEX IF NOT EXISTS entries_key ON entries(key);
 CREATE INDEX IF NOT EXISTS entries_tenant ON entries(tenant);"""
 
 
-@dataclass
-class Row:
-    id: int
-    key: str
-    tenant: str
-    query: str
-    response: str
-    embedding: np.ndarray
-    created: float
-    expires: float
-    seconds: float  # what generating the response took: the time a hit saves
-
-
-class Store:
+class SQLiteStore(Store):
     """path None: in memory (nothing survives the process)."""
 
     def __init__(self, path: str | None, dim: int):
@@ -91,7 +79,7 @@ class Store:
             seconds: float) -> int:
         now = time.time()
         vec = np.asarray(embedding, np.float32).reshape(-1)
-        nbytes = len(query.encode()) + len(response.encode()) + vec.nbytes
+        nbytes = entry_bytes(query, response, vec)
         with self.lock:
             cur = self.db.execute(
                 "INSERT INTO entries (key, tenant, query, response, embedding, created, expires, last_used, seconds, "
@@ -104,7 +92,6 @@ class Store:
             return cur.lastrowid
 
     def nearest(self, key: str, embedding: np.ndarray, now: float) -> tuple[Row, float] | None:
-        """The live entry under `key` closest to `embedding`, with its cosine similarity."""
         with self.lock:
             ids = {r[0] for r in self.db.execute("SELECT id FROM entries WHERE key=? AND expires>?", (key, now))}
             if not ids:
@@ -139,12 +126,16 @@ class Store:
             self.db.commit()
             return len(ids)
 
-    def oldest_used(self, n: int) -> list[int]:
-        with self.lock:
-            return [r[0] for r in self.db.execute("SELECT id FROM entries ORDER BY last_used LIMIT ?", (n,))]
+    def expire(self, now: float) -> int:
+        return self.delete("expires<=?", (now,))
+
+    def evict_oldest(self, n: int) -> int:
+        return self.delete("id IN (SELECT id FROM entries ORDER BY last_used LIMIT ?)", (n,))
+
+    def clear(self, tenant: str) -> int:
+        return self.delete("tenant=?", (tenant,))
 
     def totals(self, tenant: str | None = None) -> tuple[int, int]:
-        """(entries, bytes), of one tenant or all."""
         where, args = ("", ()) if tenant is None else (" WHERE tenant=?", (tenant,))
         with self.lock:
             r = self.db.execute(f"SELECT count(*), coalesce(sum(nbytes), 0) FROM entries{where}", args).fetchone()

@@ -5,6 +5,7 @@ The embedder runs on its own thread, never in the engine's step loop or on the e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvserve.semantic_cache import CacheKey, SemanticCache
+from kvserve.semantic_cache.base import StoreUnavailable
 from kvserve.server import protocol as P
 from kvserve.server.protocol import APIError
 from kvserve.server.sse import chat_chunk, sse_event
@@ -28,7 +30,7 @@ _NOT_SAMPLING = {"output_kind", "kv_transfer_params"}
 
 @dataclass
 class SemanticCacheConfig:
-    path: str | None  # SQLite file (its index beside it); None: in memory
+    path: str | None  # SQLite file (its index beside it), a Redis URL (shared by servers); None: in memory
     threshold: float = 0.9
     ttl: float = 3600.0
     max_entries: int = 100_000
@@ -71,6 +73,15 @@ def check_request(req: P.ChatCompletionRequest, enabled: bool) -> None:
                        param="semantic_cache_ttl")
 
 
+@contextlib.contextmanager
+def _unavailable_503():
+    try:
+        yield
+    except StoreUnavailable as e:
+        raise APIError(f"the semantic cache's store is unreachable ({e}); retry when it is back", status=503,
+                       type="ServiceUnavailableError", code="semantic_cache_unavailable") from None
+
+
 def _text(content) -> str | None:
     """A message's text, or None when it holds something other than text (not cacheable by meaning)."""
     if content is None or isinstance(content, str):
@@ -108,12 +119,25 @@ class SemanticFront:
         self.entries = Gauge("kvserve:semantic_cache_entries", "Entries in the semantic cache.", registry=registry)
         self.bytes = Gauge("kvserve:semantic_cache_bytes", "Bytes of questions, responses and embeddings in "
                            "the semantic cache.", registry=registry)
+        self.errors = Counter("kvserve:semantic_cache_errors", "Lookups and stores the semantic cache's store "
+                              "failed (Redis down): the request was generated.", registry=registry)
         self._update_size()
 
     def _update_size(self) -> None:
-        entries, nbytes = self.cache.totals()
+        try:
+            entries, nbytes = self.cache.totals()
+        except StoreUnavailable:  # Redis down: the gauges keep their last figures
+            return
         self.entries.set(entries)
         self.bytes.set(nbytes)
+
+    def _failed(self, what: str, e: Exception) -> None:
+        """A store that failed costs the request a generation (or a later hit), never an error."""
+        self.errors.inc()
+        if isinstance(e, StoreUnavailable):  # the store logs each outage once
+            logger.debug("semantic cache: %s failed: %s", what, e)
+        else:
+            logger.exception("semantic cache: %s failed", what)
 
     def plan(self, req: P.ChatCompletionRequest, salt: str | None, tenant: str | None, model: str,
              params) -> Plan | None:
@@ -135,7 +159,11 @@ class SemanticFront:
     async def lookup(self, plan: Plan):
         loop = asyncio.get_running_loop()
         plan.embedding = (await loop.run_in_executor(self._pool, self.embedder, [plan.query]))[0]
-        hit = await loop.run_in_executor(self._pool, self.cache.lookup, plan.key, plan.embedding, plan.threshold)
+        try:
+            hit = await loop.run_in_executor(self._pool, self.cache.lookup, plan.key, plan.embedding, plan.threshold)
+        except Exception as e:
+            self._failed("a lookup", e)
+            hit = None
         if hit is None:
             self.misses.inc()
         else:
@@ -155,8 +183,8 @@ class SemanticFront:
             try:
                 self.cache.insert(plan.key, plan.tenant, plan.query, plan.embedding, response, plan.ttl, seconds)
                 self._update_size()
-            except Exception:  # the answer was sent; a failed store costs a later hit, not this request
-                logger.exception("semantic cache: storing an entry failed")
+            except Exception as e:  # the answer was sent; a failed store costs a later hit, not this request
+                self._failed("storing an entry", e)
         self._pool.submit(insert)
 
     def hit_response(self, req: P.ChatCompletionRequest, hit, model: str, role: str, prompt_tokens: int) -> Headed:
@@ -191,11 +219,13 @@ class SemanticFront:
         yield "data: [DONE]\n\n"
 
     def size(self, tenant: str | None) -> dict:
-        return {"object": "semantic_cache", **self.cache.size(tenant), "threshold": self.cache.threshold,
-                "ttl": self.cache.ttl}
+        with _unavailable_503():
+            size = self.cache.size(tenant)
+        return {"object": "semantic_cache", **size, "threshold": self.cache.threshold, "ttl": self.cache.ttl}
 
     def clear(self, tenant: str | None) -> dict:
-        removed = self.cache.clear(tenant)
+        with _unavailable_503():
+            removed = self.cache.clear(tenant)
         self._update_size()
         return {"object": "semantic_cache", "deleted": removed}
 
