@@ -5,7 +5,7 @@ embedder's time per question, and a lookup's time in a filled store. With --serv
 similar enough), end-to-end latency of each. Prints a table, writes JSON.
 
     python bench/semantic_cache.py [--out bench/results/semantic_cache.json] [--entries 10000] [--serve]
-                                   [--redis redis://127.0.0.1:6379/0]
+                                   [--redis redis://127.0.0.1:6379/0] [--plot docs/semantic-cache-threshold.png]
 """
 from __future__ import annotations
 
@@ -112,6 +112,28 @@ def lookup_cost(location: str | None, dim: int, entries: int, keys: int) -> floa
     return ms
 
 
+def plot_curve(pos: list[float], neg: list[float], path: str, default: float = 0.9) -> None:
+    """Hit rate and false-hit rate at every threshold from 0.5 to 1: the curve the default is read from."""
+    from kvserve.tools.plotting import pyplot
+    plt = pyplot()
+    ts = np.linspace(0.5, 1.0, 201)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+    ax.plot(ts, [100 * np.mean([s >= t for s in pos]) for t in ts], label=f"hit rate ({len(pos)} paraphrase pairs)")
+    ax.plot(ts, [100 * np.mean([s >= t for s in neg]) for t in ts],
+            label=f"false-hit rate ({len(neg)} hard negatives)")
+    ax.axvline(default, color="grey", linestyle="--", linewidth=1)
+    ax.text(default + 0.004, 50, f"default {default}", color="grey", fontsize=8)
+    ax.set_xlabel("--semantic-cache-threshold (cosine similarity, all-MiniLM-L6-v2)")
+    ax.set_ylabel("% of pairs served from the cache")
+    ax.set_xlim(0.5, 1.0)
+    ax.set_ylim(0, 101)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/semantic_cache.json")
@@ -119,6 +141,7 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help="also measure hit vs generated latency through a server")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--redis", metavar="URL", help="also time lookups in the Redis store at URL (flushes its db)")
+    ap.add_argument("--plot", metavar="PNG", help="draw hit and false-hit rate against the threshold into PNG")
     a = ap.parse_args()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     pairs = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
@@ -132,6 +155,9 @@ def main() -> None:
     print(f"{'threshold':>9} {'hit rate':>9} {'false hits':>10}")
     for c in curve:
         print(f"{c['threshold']:>9} {c['hit_rate']:>9.1%} {c['false_hit_rate']:>10.1%}")
+    if a.plot:
+        plot_curve(pos, neg, a.plot)
+        print(f"wrote {a.plot}")
     embed_ms = timed(lambda: embed(["How do I reset my password on the website?"]), 30)
     print(f"embed one question: {embed_ms:.1f} ms (median of 30)")
     lookups = {"sqlite": {n: lookup_cost(None, embed.dim, a.entries, n) for n in (100, 1)}}
