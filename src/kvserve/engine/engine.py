@@ -101,11 +101,15 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, setup: EngineSetup | None = None) -> None:
         args.validate()
         self.args = args
-        setup = setup or build_engine_parts(args)
+        if setup is None:
+            from kvserve.engine import tp_executor
+            setup = build_engine_parts(args, start_ranks=tp_executor.start)
         self.setup = setup
         self.model_config = setup.model_config
         self.tokenizer = setup.tokenizer
         self.runner = setup.runner
+        # Tensor parallelism: the other ranks stop with the engine (close(), collection, or exit).
+        self._close_runner = weakref.finalize(self, self.runner.close) if hasattr(self.runner, "close") else None
         self.max_model_len = setup.max_model_len
         self.sampling_defaults = self._sampling_defaults(args)
         # A token's own text: logprobs' decoded_token, the server's /tokenize token strings.
@@ -398,6 +402,8 @@ class LLMEngine:
         never closed does it when collected or at interpreter exit."""
         if self.kv_tiers is not None:
             self._close_tiers()  # a finalizer: runs once
+        if self._close_runner is not None:
+            self._close_runner()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -170,7 +170,9 @@ class ModelRunner:
         self.sampler.forget([req.request_id])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:
+        """`sample=False`: the forward only (a tensor-parallel rank above 0: its all-reduces are
+        the step's; rank 0 alone scores and samples)."""
         if out.block_copies:
             self.kv_cache.copy_blocks(out.block_copies)
         if out.finished_req_ids:
@@ -200,11 +202,11 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, self.rope_positions(out, meta), meta, self.kv_cache,
                                         torch.tensor(logit_rows, dtype=torch.long, device=self.device) if trimmed else None,
                                         **({"lora": lora} if lora is not None else {}))
-            prompt_lps = {} if trimmed else self._prompt_logprobs(out, hidden, meta)
+            prompt_lps = {} if trimmed or not sample else self._prompt_logprobs(out, hidden, meta)
             block_scores = {out.scheduled[i].request.request_id: t.tolist() for i, t in meta.block_scores.items()}
         self.kv_cache.finish_step()
 
-        if not sampling and not guessing:
+        if not sample or (not sampling and not guessing):
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, kv_block_scores=block_scores)
         if not trimmed:
             hidden = hidden[torch.tensor(logit_rows, device=self.device)]

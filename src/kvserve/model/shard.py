@@ -1,0 +1,79 @@
+"""One tensor-parallel rank's share of a decoder's weights (Megatron's split, as vLLM's).
+
+Column-parallel (each rank a slice of the output features): q, k, v, gate and up; row-parallel
+(a slice of the input features, the partial products summed by an all-reduce): o and down. A
+rank holds heads_per_rank query heads and the KV heads they read: KV heads split when the rank
+count divides them, and are replicated (each KV head held by tp / num_kv_heads ranks) when the
+KV heads divide the rank count, as vLLM does. The embedding, norms and lm_head stay whole on
+every rank: the vocabulary split would need a gather of the logits for one matrix of the model.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kvserve.config import ConfigError, ModelConfig
+
+
+def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
+    """KV heads each rank holds; ConfigError (naming both numbers) where the split is impossible."""
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if tp < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tp})")
+    if hq % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's {hq} attention heads; "
+                          f"pick a divisor of {hq}")
+    if hkv % tp and tp % hkv:
+        raise ConfigError(f"--tensor-parallel-size {tp} and the model's {hkv} KV heads: one must divide the other "
+                          f"(KV heads split across ranks, or each held by several); pick a divisor or a multiple "
+                          f"of {hkv} that divides {hq}")
+    if cfg.intermediate_size % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's MLP width "
+                          f"{cfg.intermediate_size}; pick a divisor of it")
+    return max(1, hkv // tp)
+
+
+def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model as one rank sees it: its heads and its slice of the MLP (hidden size and vocabulary whole)."""
+    if tp == 1:
+        return cfg
+    return replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
+                   num_key_value_heads=kv_heads_per_rank(cfg, tp), intermediate_size=cfg.intermediate_size // tp)
+
+
+def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    return t[start:start + count].contiguous()
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, tp: int
+                  ) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensors under the same HF names, for a LlamaModel built from rank_config."""
+    if tp == 1:
+        return weights
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q_local, kv_local = hq // tp, kv_heads_per_rank(cfg, tp)
+    # The KV heads this rank's query heads read: its own slice, or (replicated) the one its group shares.
+    kv_first = rank * kv_local if hkv >= tp else rank // (tp // hkv)
+    inter = cfg.intermediate_size // tp
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        part = name.rsplit(".", 2)
+        proj = part[-2] if len(part) == 3 else ""
+        is_bias = name.endswith(".bias")
+        if proj == "q_proj":
+            out[name] = _rows(w, rank * q_local * d, q_local * d)
+        elif proj in ("k_proj", "v_proj"):
+            out[name] = _rows(w, kv_first * d, kv_local * d)
+        elif proj in ("gate_proj", "up_proj"):
+            out[name] = _rows(w, rank * inter, inter)
+        elif proj in ("o_proj", "down_proj"):
+            if is_bias:  # added once to the all-reduced sum: rank 0 holds it
+                if rank == 0:
+                    out[name] = w
+                continue
+            width = q_local * d if proj == "o_proj" else inter
+            out[name] = w[:, rank * width:(rank + 1) * width].contiguous()
+        else:
+            out[name] = w
+    return out
