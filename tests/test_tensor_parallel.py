@@ -114,6 +114,33 @@ def test_tp4_replicates_kv_heads_and_equals_tp1(tiny, tp1_tokens, monkeypatch):
     assert got == tp1_tokens[0]
 
 
+def _tokens(path: str, tp: int, prompts, params, **kw) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20, block_size=16, **kw)
+    try:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_per_rank_equals_tp1(tiny, kv_cache_dtype):
+    """Each rank quantizes its own heads: scales are per head, so the codes are TP=1's."""
+    prompts = [[(7 * i + 3) % 4000 + 10 for i in range(n)] for n in (70, 23)]
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    want = _tokens(tiny, 1, prompts, params, kv_cache_dtype=kv_cache_dtype)
+    assert _tokens(tiny, 2, prompts, params, kv_cache_dtype=kv_cache_dtype) == want
+
+
+def test_h2o_scores_are_summed_over_the_ranks(tiny):
+    """h2o keeps the blocks that received the most attention over all heads: each rank scores its
+    own heads, the sum decides, so the same blocks go and the tokens are TP=1's."""
+    prompt = [(11 * i + 5) % 4000 + 10 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            kv_compression={"method": "h2o", "window": 32, "heavy_tokens": 32})
+    want = _tokens(tiny, 1, [prompt], params)
+    assert _tokens(tiny, 2, [prompt], params) == want
+
+
 def test_offline_llm_restores_the_callers_cpus(tiny):
     before = (os.sched_getaffinity(0), torch.get_num_threads())
     llm = LLM(tiny, dtype="float32", tensor_parallel_size=2, kv_cache_memory=4 << 20)
