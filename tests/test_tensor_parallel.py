@@ -149,6 +149,26 @@ def test_offline_llm_restores_the_callers_cpus(tiny):
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
 
 
+def test_a_rank_that_hangs_fails_the_step_after_the_timeout(tiny, monkeypatch):
+    """A stopped rank (SIGSTOP: alive, silent) holds rank 0's all-reduce only until
+    KVSERVE_TP_TIMEOUT_S; the step fails, and so does every later one, without waiting again."""
+    from kvserve.errors import TensorParallelError
+    monkeypatch.setenv("KVSERVE_TP_TIMEOUT_S", "3")
+    llm = LLM(tiny, dtype="float32", tensor_parallel_size=2, kv_cache_memory=4 << 20)
+    pid = llm.engine.runner._ranks[0].proc.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="KVSERVE_TP_TIMEOUT_S"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < 30
+        with pytest.raises(TensorParallelError, match="cannot run another step"):
+            llm.engine.runner.execute(None)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        llm.engine.close()
+
+
 @pytest.mark.slow
 def test_tp3_on_the_embedded_model_agrees_with_tp1_in_bf16(smollm2_hf, monkeypatch):
     """SmolLM2-135M's 9 query / 3 KV heads at TP=3 (one KV head per rank), bf16, against TP=1 on

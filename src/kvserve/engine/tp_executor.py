@@ -216,7 +216,10 @@ class TensorParallelRunner:
             elif gone:
                 reasons.append(gone)
         if not reasons:
-            reasons.append(f"tensor-parallel rank 0 failed: {type(cause).__name__}: {cause}")
+            first = str(cause).splitlines()[0] if str(cause) else ""
+            reasons.append(f"tensor-parallel rank 0's step failed ({type(cause).__name__}: {first}) with every other "
+                           f"rank alive: a rank that hangs is given up on after KVSERVE_TP_TIMEOUT_S "
+                           f"({envs.KVSERVE_TP_TIMEOUT_S:g} s)")
         self._failed = "; ".join(reasons) + " (the tensor-parallel group cannot run another step; restart the engine)"
         logger.error("%s", self._failed)
         return TensorParallelError(self._failed)
