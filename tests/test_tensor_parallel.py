@@ -114,6 +114,66 @@ def test_tp4_replicates_kv_heads_and_equals_tp1(tiny, tp1_tokens, monkeypatch):
     assert got == tp1_tokens[0]
 
 
+def test_swap_preemption_at_tp2_moves_every_ranks_heads(tiny, tp1_tokens):
+    """Preemption by swap: the host tier holds each preempted block's heads of both ranks, and
+    the resumed requests decode as TP=1's did."""
+    llm = LLM(tiny, dtype="float32", tensor_parallel_size=2, block_size=8, num_gpu_blocks_override=22,
+              max_model_len=160, max_num_batched_tokens=48, check_integrity=True, preemption_mode="swap",
+              swap_space=0.01)
+    try:
+        got, _ = _workload(llm)
+        s = llm.engine.get_stats()
+        assert s.num_swapped_preemptions > 0 and s.tier_hits["host"] > 0, s
+        assert got == tp1_tokens[0]
+    finally:
+        llm.engine.close()
+
+
+def test_disk_tier_entries_hold_every_rank_and_another_tp_size_never_reads_them(tiny, tmp_path):
+    """Blocks written down at TP=2 come back at TP=2 after a restart; at TP=1 (another
+    fingerprint) none is read, and one planted under TP=1's own name is refused by the
+    fingerprint in its frame and counted, never restored."""
+    import shutil
+
+    from kvserve.kv.hashing import extend_block_hashes, root_hash
+    disk_dir = tmp_path / "kv"
+    common = dict(dtype="float32", block_size=16, num_gpu_blocks_override=40, max_model_len=512,
+                  kv_disk_path=str(disk_dir), kv_disk_size="64MiB")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4000) for _ in range(160)] for _ in range(3)]
+    filler = [[rng.randrange(4000) for _ in range(160)] for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+
+    def tokens(outs):
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    a = LLM(tiny, tensor_parallel_size=2, **common)
+    want = tokens(a.generate(prompts, params, use_tqdm=False))
+    a.generate(filler, params, use_tqdm=False)
+    fp2 = a.engine.setup.fingerprint.hex
+    a.engine.close()
+    assert any(n.startswith(fp2) for n in os.listdir(disk_dir))
+    b = LLM(tiny, tensor_parallel_size=2, **common)
+    try:
+        assert tokens(b.generate(prompts, params, use_tqdm=False)) == want
+        assert b.engine.get_stats().tier_hits["disk"] >= 3 * 144
+    finally:
+        b.engine.close()
+    c = LLM(tiny, tensor_parallel_size=1, **common)
+    fp1 = c.engine.setup.fingerprint.hex
+    c.engine.close()
+    assert fp1 != fp2
+    key = extend_block_hashes([], root_hash("auto"), prompts[0], 16)[0].hex()
+    shutil.copy(disk_dir / f"{fp2}-{key}.kvb", disk_dir / f"{fp1}-{key}.kvb")
+    c = LLM(tiny, tensor_parallel_size=1, **common)
+    try:
+        assert tokens(c.generate(prompts, params, use_tqdm=False)) == want
+        s = c.engine.get_stats()
+        assert s.tier_incompatible["disk"] == 1 and s.tier_hits["disk"] == 0
+    finally:
+        c.engine.close()
+
+
 def _tokens(path: str, tp: int, prompts, params, **kw) -> list[list[int]]:
     llm = LLM(path, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20, block_size=16, **kw)
     try:
@@ -206,6 +266,9 @@ def test_bad_settings_are_start_up_errors_naming_the_flag(tiny, monkeypatch):
         EngineArgs(model=tiny, tensor_parallel_size=2, distributed_executor_backend="ray").validate()
     with pytest.raises(ConfigError, match=r"--enable-lora is not implemented with --tensor-parallel-size 2"):
         EngineArgs(model=tiny, tensor_parallel_size=2, enable_lora=True).validate()
+    with pytest.raises(ConfigError, match=r"--kv-cache-dtype int8 with the KV offload tiers .* is not implemented with "
+                                          r"--tensor-parallel-size 2"):
+        EngineArgs(model=tiny, tensor_parallel_size=2, kv_cache_dtype="int8", swap_space=0.01).validate()
     with pytest.raises(ConfigError, match=r"--distributed-executor-backend uni runs one process"):
         EngineArgs(model=tiny, tensor_parallel_size=2, distributed_executor_backend="uni").validate()
     with pytest.raises(ConfigError, match=r"--tensor-parallel-size must be >= 1"):

@@ -363,8 +363,9 @@ class EngineArgs:
                               f"needs one per rank; use --distributed-executor-backend mp")
         refused = [(self.data_parallel_size > 1, f"--data-parallel-size {self.data_parallel_size}"),
                    (self.enable_lora, "--enable-lora"),
-                   (self.has_kv_tiers, "the KV offload tiers (--swap-space / --cpu-offload-gb / --kv-disk-path / "
-                                       "--kv-redis-url)"),
+                   (self.has_kv_tiers and self.kv_cache_dtype != "auto",
+                    f"--kv-cache-dtype {self.kv_cache_dtype} with the KV offload tiers (--swap-space / "
+                    f"--cpu-offload-gb / --kv-disk-path / --kv-redis-url)"),
                    (self.kv_transfer_config is not None, "--kv-transfer-config"),
                    (self.quantization == "gguf", "--quantization gguf (a sharded model runs bf16 projections)")]
         for hit, what in refused:

@@ -53,7 +53,11 @@ def _shutdown_tiers(kv: KVCacheManager, offloader, tiers) -> None:
     handed, refused_before, finished = 0, {}, True
     if offloader is not None and tiers.lower:
         refused_before = {t.name: t.stats().rejected for t in tiers.lower}
-        handed = offloader.persist(kv.cached_blocks(), timeout=SHUTDOWN_WRITE_SECONDS)
+        try:
+            handed = offloader.persist(kv.cached_blocks(), timeout=SHUTDOWN_WRITE_SECONDS)
+        except Exception as e:  # a tensor-parallel rank gone: its heads cannot be read
+            logger.warning("shutdown: the cached KV blocks were not written to the lower tiers: %s", e)
+            handed = 0
         finished = not handed or tiers.flush(SHUTDOWN_WRITE_SECONDS)
         if not finished:
             logger.warning("shutdown: the KV tier writer did not finish within %d s; some of the %d cached "

@@ -170,6 +170,11 @@ class TensorParallelRunner:
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
 
+    @property
+    def kv_cache(self) -> "RankedKVCache":
+        """Every rank's blocks as one cache (what the offload tiers read and write)."""
+        return RankedKVCache(self)
+
     def execute(self, out):
         return self._call("execute", out)
 
@@ -197,6 +202,29 @@ class TensorParallelRunner:
                 k.conn.send_bytes(data)
             except (OSError, ValueError) as e:
                 raise self._fail(e) from e
+
+    def gather_blocks(self, ids: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Each rank's read_blocks(ids), rank 0 first; every reply waited for at most KVSERVE_TP_TIMEOUT_S."""
+        self._send("read_blocks", (ids,))
+        parts = [self._runner.kv_cache.read_blocks(ids)]
+        for k in self._ranks:
+            msg = k.message(envs.KVSERVE_TP_TIMEOUT_S)
+            if msg is None or msg[0] != "blocks":
+                raise self._fail(RuntimeError(f"rank {k.rank} sent no KV blocks"))
+            parts.append(msg[1])
+        return parts
+
+    def scatter_blocks(self, ids: torch.Tensor, per_rank: list[list[torch.Tensor]]) -> None:
+        """Rank r writes per_rank[r] into its pool's blocks `ids`."""
+        if self._failed:
+            raise TensorParallelError(self._failed)
+        for k in self._ranks:
+            try:
+                k.conn.send_bytes(pickle.dumps(("write_blocks", (ids, per_rank[k.rank])),
+                                               protocol=pickle.HIGHEST_PROTOCOL))
+            except (OSError, ValueError) as e:
+                raise self._fail(e) from e
+        self._runner.kv_cache.write_blocks(ids, per_rank[0])
 
     def _call(self, name: str, *payload):
         self._send(name, payload)
@@ -232,3 +260,23 @@ class TensorParallelRunner:
         destroy_group()
         _restore(self._saved)
         self._saved = None
+
+
+class RankedKVCache:
+    """The KV blocks of every rank as one cache, for the offload tiers: a block read is each rank's
+    fields in rank order (so a tier entry holds every rank's heads, under a fingerprint that names
+    the rank count), and a write hands each rank its own. Anything else is rank 0's cache's."""
+
+    def __init__(self, runner: TensorParallelRunner) -> None:
+        self._tp = runner
+        self._own = runner._runner.kv_cache
+
+    def __getattr__(self, name: str):
+        return getattr(self._own, name)
+
+    def read_blocks(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        return [t for part in self._tp.gather_blocks(ids) for t in part]
+
+    def write_blocks(self, ids: torch.Tensor, fields: list[torch.Tensor]) -> None:
+        n = len(fields) // self._tp.tensor_parallel_size
+        self._tp.scatter_blocks(ids, [list(fields[r * n:(r + 1) * n]) for r in range(self._tp.tensor_parallel_size)])

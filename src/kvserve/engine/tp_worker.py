@@ -55,6 +55,8 @@ def main(args, rank: int, world: int, port: int, cpus: list[int] | None, budget,
 def _loop(runner, conn, rank: int) -> None:
     import pickle
 
+    import torch
+
     from kvserve.runner.distributed import destroy_group
     while True:
         try:
@@ -68,6 +70,13 @@ def _loop(runner, conn, rank: int) -> None:
         try:
             if name == "execute":
                 runner.execute(*payload, sample=False)
+            elif name == "read_blocks":  # the offload tiers: rank 0 stores every rank's heads
+                with torch.inference_mode():
+                    data = [t.cpu() for t in runner.kv_cache.read_blocks(*payload)]
+                conn.send_bytes(pickle.dumps(("blocks", data), protocol=pickle.HIGHEST_PROTOCOL))
+            elif name == "write_blocks":
+                with torch.inference_mode():
+                    runner.kv_cache.write_blocks(*payload)
             elif name == "stats":
                 reduce = runner.model.all_reduce
                 conn.send(("stats", (reduce.calls, reduce.seconds)))
