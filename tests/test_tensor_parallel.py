@@ -174,6 +174,39 @@ def test_disk_tier_entries_hold_every_rank_and_another_tp_size_never_reads_them(
         c.engine.close()
 
 
+def test_lora_adapters_split_as_their_projections_equal_tp1(tiny, tmp_path):
+    """Three adapters (all seven targets; q, v, down with rsLoRA; k, o, gate, up) in mixed
+    batches over two slots, so adapters are swapped in and out: every rank loads each adapter
+    split as its projections are, and TP=2's tokens are TP=1's."""
+    from hf_reference import load_hf
+    from lora_adapters import make_adapter
+
+    from kvserve import LoRARequest
+    hf = load_hf(tiny)
+    names = {"a": make_adapter(hf, tmp_path / "a", r=8, alpha=16, seed=1),
+             "b": make_adapter(hf, tmp_path / "b", r=4, alpha=8, seed=2, targets=("q_proj", "v_proj", "down_proj"),
+                               rslora=True),
+             "c": make_adapter(hf, tmp_path / "c", r=6, alpha=6, seed=3,
+                               targets=("k_proj", "o_proj", "gate_proj", "up_proj"))}
+    prompts = [[(13 * i + k) % 4000 + 10 for i in range(n)] for k, n in enumerate((40, 41, 70, 9, 33, 51))]
+    which = ["a", "a", "b", None, "c", "b"]
+    requests = [None if n is None else LoRARequest(n, "abc".index(n) + 1, names[n]) for n in which]
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(tiny, dtype="float32", tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=8,
+                  max_cpu_loras=2, kv_cache_memory=8 << 20, max_num_batched_tokens=48)
+        try:
+            runs.append([list(o.outputs[0].token_ids)
+                         for o in llm.generate(prompts, params, lora_request=requests, use_tqdm=False)])
+            assert llm.engine.get_stats().lora_slot_loads >= 3
+        finally:
+            llm.engine.close()
+    assert runs[1] == runs[0]
+    plain = _tokens(tiny, 1, prompts[:1], params)
+    assert plain[0] != runs[0][0]  # the adapter changed the output
+
+
 def _tokens(path: str, tp: int, prompts, params, **kw) -> list[list[int]]:
     llm = LLM(path, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=8 << 20, block_size=16, **kw)
     try:
@@ -264,8 +297,9 @@ def test_bad_settings_are_start_up_errors_naming_the_flag(tiny, monkeypatch):
         LLM(tiny, dtype="float32", tensor_parallel_size=cores * 2)
     with pytest.raises(ConfigError, match=r"--distributed-executor-backend ray"):
         EngineArgs(model=tiny, tensor_parallel_size=2, distributed_executor_backend="ray").validate()
-    with pytest.raises(ConfigError, match=r"--enable-lora is not implemented with --tensor-parallel-size 2"):
-        EngineArgs(model=tiny, tensor_parallel_size=2, enable_lora=True).validate()
+    with pytest.raises(ConfigError, match=r"--kv-transfer-config is not implemented with --tensor-parallel-size 2"):
+        EngineArgs(model=tiny, tensor_parallel_size=2, kv_transfer_config={"kv_connector": "RedisConnector",
+                   "kv_role": "kv_producer"}, kv_redis_url="redis://127.0.0.1:1/0").validate()
     with pytest.raises(ConfigError, match=r"--kv-cache-dtype int8 with the KV offload tiers .* is not implemented with "
                                           r"--tensor-parallel-size 2"):
         EngineArgs(model=tiny, tensor_parallel_size=2, kv_cache_dtype="int8", swap_space=0.01).validate()

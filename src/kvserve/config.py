@@ -362,7 +362,6 @@ class EngineArgs:
             raise ConfigError(f"--distributed-executor-backend uni runs one process, but --tensor-parallel-size {tp} "
                               f"needs one per rank; use --distributed-executor-backend mp")
         refused = [(self.data_parallel_size > 1, f"--data-parallel-size {self.data_parallel_size}"),
-                   (self.enable_lora, "--enable-lora"),
                    (self.has_kv_tiers and self.kv_cache_dtype != "auto",
                     f"--kv-cache-dtype {self.kv_cache_dtype} with the KV offload tiers (--swap-space / "
                     f"--cpu-offload-gb / --kv-disk-path / --kv-redis-url)"),

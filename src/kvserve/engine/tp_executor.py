@@ -171,6 +171,12 @@ class TensorParallelRunner:
         return getattr(self._runner, name)
 
     @property
+    def lora(self) -> "RankedLoRA | None":
+        """Rank 0's adapter manager, whose loads and unpins every rank repeats (so that each step's
+        slot choices agree), each rank splitting the adapter as its projections are."""
+        return None if self._runner.lora is None else RankedLoRA(self)
+
+    @property
     def kv_cache(self) -> "RankedKVCache":
         """Every rank's blocks as one cache (what the offload tiers read and write)."""
         return RankedKVCache(self)
@@ -280,3 +286,24 @@ class RankedKVCache:
     def write_blocks(self, ids: torch.Tensor, fields: list[torch.Tensor]) -> None:
         n = len(fields) // self._tp.tensor_parallel_size
         self._tp.scatter_blocks(ids, [list(fields[r * n:(r + 1) * n]) for r in range(self._tp.tensor_parallel_size)])
+
+
+class RankedLoRA:
+    """LoRAManager.resolve / unpin on every rank: rank 0's first (a bad adapter is refused there,
+    before any other rank is told), then the same call sent to the others."""
+
+    def __init__(self, runner: TensorParallelRunner) -> None:
+        self._tp = runner
+        self._own = runner._runner.lora
+
+    def __getattr__(self, name: str):
+        return getattr(self._own, name)
+
+    def resolve(self, req, pins: int = 0) -> str:
+        key = self._own.resolve(req, pins)
+        self._tp._send("lora_resolve", (req, pins))
+        return key
+
+    def unpin(self, key: str) -> None:
+        self._own.unpin(key)
+        self._tp._send("lora_unpin", (key,))

@@ -74,6 +74,10 @@ def _loop(runner, conn, rank: int) -> None:
                 with torch.inference_mode():
                     data = [t.cpu() for t in runner.kv_cache.read_blocks(*payload)]
                 conn.send_bytes(pickle.dumps(("blocks", data), protocol=pickle.HIGHEST_PROTOCOL))
+            elif name == "lora_resolve":
+                runner.lora.resolve(*payload)
+            elif name == "lora_unpin":
+                runner.lora.unpin(*payload)
             elif name == "write_blocks":
                 with torch.inference_mode():
                     runner.kv_cache.write_blocks(*payload)

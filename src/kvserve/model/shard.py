@@ -46,34 +46,54 @@ def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return t[start:start + count].contiguous()
 
 
+def _slice(proj: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s part of a projection's matrix: rows (outputs) of a column-parallel one,
+    columns (inputs) of a row-parallel one (o, down); a 1-D tensor is a bias of the former."""
+    d, hkv = cfg.head_dim, cfg.num_key_value_heads
+    q_local, kv_local = cfg.num_attention_heads // tp, kv_heads_per_rank(cfg, tp)
+    inter = cfg.intermediate_size // tp
+    if proj == "q_proj":
+        return _rows(w, rank * q_local * d, q_local * d)
+    if proj in ("k_proj", "v_proj"):
+        # The KV heads this rank's query heads read: its own slice, or (replicated) the one its group shares.
+        kv_first = rank * kv_local if hkv >= tp else rank // (tp // hkv)
+        return _rows(w, kv_first * d, kv_local * d)
+    if proj in ("gate_proj", "up_proj"):
+        return _rows(w, rank * inter, inter)
+    width = q_local * d if proj == "o_proj" else inter
+    return w[:, rank * width:(rank + 1) * width].contiguous()
+
+
+_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
 def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, tp: int
                   ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors under the same HF names, for a LlamaModel built from rank_config."""
     if tp == 1:
         return weights
-    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    q_local, kv_local = hq // tp, kv_heads_per_rank(cfg, tp)
-    # The KV heads this rank's query heads read: its own slice, or (replicated) the one its group shares.
-    kv_first = rank * kv_local if hkv >= tp else rank // (tp // hkv)
-    inter = cfg.intermediate_size // tp
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         part = name.rsplit(".", 2)
         proj = part[-2] if len(part) == 3 else ""
-        is_bias = name.endswith(".bias")
-        if proj == "q_proj":
-            out[name] = _rows(w, rank * q_local * d, q_local * d)
-        elif proj in ("k_proj", "v_proj"):
-            out[name] = _rows(w, kv_first * d, kv_local * d)
-        elif proj in ("gate_proj", "up_proj"):
-            out[name] = _rows(w, rank * inter, inter)
-        elif proj in ("o_proj", "down_proj"):
-            if is_bias:  # added once to the all-reduced sum: rank 0 holds it
-                if rank == 0:
-                    out[name] = w
-                continue
-            width = q_local * d if proj == "o_proj" else inter
-            out[name] = w[:, rank * width:(rank + 1) * width].contiguous()
+        if proj in ROW_PARALLEL and name.endswith(".bias"):
+            if rank == 0:  # added once, to the all-reduced sum
+                out[name] = w
+        elif proj in _SPLIT:
+            out[name] = _slice(proj, w, cfg, rank, tp)
         else:
             out[name] = w
     return out
+
+
+def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig, rank: int, tp: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LoRA pair (A `[r, in]`, B `[out, r]`) split as its projection is: B's rows for a
+    column-parallel projection (A whole), A's columns for a row-parallel one (B whole: each rank's
+    partial delta is summed by the projection's own all-reduce)."""
+    if tp == 1:
+        return a, b
+    if module in ROW_PARALLEL:
+        return _slice(module, a, cfg, rank, tp), b
+    return a, _slice(module, b, cfg, rank, tp)

@@ -163,6 +163,7 @@ def make_runner(args: EngineArgs, cfg: ModelConfig, weights: dict, codes: dict |
     from kvserve.runner.model_runner import ModelRunner, RunnerConfig
 
     tp = args.tensor_parallel_size
+    lora_shard = (cfg, rank, tp) if tp > 1 else None
     if tp > 1:
         weights, cfg, codes = shard_weights(weights, cfg, rank, tp), rank_config(cfg, tp), None
     return ModelRunner(cfg, weights, RunnerConfig(
@@ -172,7 +173,7 @@ def make_runner(args: EngineArgs, cfg: ModelConfig, weights: dict, codes: dict |
         cuda_graph_sizes=tuple(cuda_graph_sizes(args, device)) if tp == 1 else (),
         max_model_len=budget.max_model_len, num_residual_blocks=quantized.residual_blocks_for(args.max_num_seqs),
         kv_scales=kv_scales, max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, lora_dtype=lora_dtype(args, dtype, device)),
+        max_cpu_loras=args.max_cpu_loras, lora_dtype=lora_dtype(args, dtype, device), lora_shard=lora_shard),
         weight_codes=None if args.quantization == "none" else codes)
 
 

@@ -62,6 +62,8 @@ class RunnerConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: torch.dtype | None = None
+    # A tensor-parallel rank: (the whole model's config, rank, size), by which adapters are split.
+    lora_shard: tuple | None = None
 
 
 class ModelRunner:
@@ -102,7 +104,8 @@ class ModelRunner:
             lora_dtype = config.lora_dtype or self.dtype
             self.lora = LoRAManager(model_config, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, lora_dtype, self.device, orders,
-                                    packing_kernels(model_config, self.dtype, lora_dtype, self.device))
+                                    packing_kernels(model_config, self.dtype, lora_dtype, self.device),
+                                    shard=config.lora_shard)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:
             self._capture(list(config.cuda_graph_sizes), config.max_model_len or model_config.max_position_embeddings)
