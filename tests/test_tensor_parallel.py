@@ -310,12 +310,14 @@ def test_bad_settings_are_start_up_errors_naming_the_flag(tiny, monkeypatch):
 
 
 @pytest.mark.slow
-def test_serve_tp2_and_a_rank_killed_mid_stream_fails_the_request_and_the_engine(tiny):
-    """`kvserve serve -tp 2`: a completion, then a stream during which rank 1 is SIGKILLed: the
-    stream ends with an error naming the rank, /health turns unhealthy, no wait is unbounded."""
+@pytest.mark.parametrize("core_process", ["1", "0"])
+def test_serve_tp2_and_a_rank_killed_mid_stream_fails_the_request_and_the_engine(tiny, core_process):
+    """`kvserve serve -tp 2` (the engine core in its own process, or on a thread): a completion,
+    then a stream during which rank 1 is SIGKILLed: the stream ends with an error naming the
+    rank, /health turns unhealthy, no wait is unbounded."""
     from server_util import SMALL, start_server
     server = start_server(*SMALL, "--model", tiny, "-tp", "2", "--disable-log-stats",
-                          env={"KVSERVE_TP_TIMEOUT_S": "20"})
+                          env={"KVSERVE_TP_TIMEOUT_S": "20", "VLLM_ENABLE_V1_MULTIPROCESSING": core_process})
     try:
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello there", "max_tokens": 8,
                                                              "temperature": 0}, timeout=60)
