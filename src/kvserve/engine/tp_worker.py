@@ -35,6 +35,8 @@ def main(args, rank: int, world: int, port: int, cpus: list[int] | None, budget,
         from kvserve.runner.distributed import AllReduce, init_group
         if cpus:
             torch.set_num_threads(len(cpus))
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)  # NCCL: one GPU per rank
         loaded = load_model(args.model, dtype=dtype)
         runner = make_runner(args, loaded.config, loaded.weights, None, budget, dtype,
                              torch.device(device.type, rank) if device.type == "cuda" else device, kv_scales, rank)

@@ -43,7 +43,8 @@ def rank_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 
 def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    return t[start:start + count].contiguous()
+    # A copy: a view would keep the whole matrix alive on every rank.
+    return t[start:start + count].clone()
 
 
 def _slice(proj: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
