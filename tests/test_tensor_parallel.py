@@ -21,6 +21,12 @@ from kvserve.model.shard import kv_heads_per_rank, rank_config, shard_weights
 GEN = 16
 
 
+def _shared_cpus(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND giving `ranks` ranks this process's CPUs in turn (more ranks than CPUs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+
+
 def _cfg(hq: int, hkv: int, inter: int = 128) -> ModelConfig:
     return ModelConfig("llama", 100, 64, inter, 2, hq, hkv, 64 // hq, 128)
 
@@ -108,8 +114,8 @@ def test_tp2_greedy_equals_tp1_through_prefix_hits_chunks_and_preemption(tiny, t
 
 def test_tp4_replicates_kv_heads_and_equals_tp1(tiny, tp1_tokens, monkeypatch):
     """TP=4 over 2 KV heads: each KV head held by two ranks (as vLLM does); four ranks share the
-    two cores by an explicit binding."""
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0|1")
+    cores by an explicit binding."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", _shared_cpus(4))
     got, _ = _run(tiny, 4)
     assert got == tp1_tokens[0]
 
@@ -268,7 +274,7 @@ def test_tp3_on_the_embedded_model_agrees_with_tp1_in_bf16(smollm2_hf, monkeypat
     the same bf16 weights (--quantization none: a sharded model runs no GGUF codes): the
     tokens agree up to near-ties within the bound transformers' own bf16 rounding sets."""
     from fidelity import TEXT, assert_greedy_agrees, bf16_bound, run_of
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", _shared_cpus(3))
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, logprobs=5)
     words = TEXT.split()
     texts = [" ".join(words[i:i + n]) for i, n in ((0, 40), (50, 12), (0, 25))]  # the third hits the first's prefix
