@@ -29,8 +29,8 @@ def llm(path):
 
 
 def test_vllm_arguments_refused_with_the_reason(path):
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not supported: .*tensor parallelism"):
-        LLM(str(path), tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=2 is not supported: .*pipeline parallelism"):
+        LLM(str(path), pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="--quantization must be one of gguf, none or unset \\(got 'awq'\\)"):
         LLM(str(path), quantization="awq")
     with pytest.raises(TypeError, match=r"unknown engine arguments \['no_such_thing'\]"):

@@ -54,7 +54,7 @@ def test_server_defaults():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
+    (["--pipeline-parallel-size", "2"], "pipeline parallelism is not implemented"),
     (["--quantization", "awq"], "invalid choice: 'awq'"),
     (["--max-loras", "many"], "invalid int value: 'many'"),
     (["--speculative-config", "[4]"], "a JSON object"),

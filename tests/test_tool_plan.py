@@ -218,6 +218,20 @@ def test_cli_tp_splits_weights_too(capsys):
     assert four["plan"]["num_kv_heads_per_gpu"] == 2 and four["plan"]["bytes_per_token"] == 327_680 / 4
 
 
+def test_cli_tp_shows_the_weights_one_kvserve_rank_holds(capsys):
+    """kvserve splits the projections and keeps the embedding, lm_head and norms on every rank:
+    the same sum as the weights each rank's runner is built from (model/shard.py)."""
+    import torch
+
+    from kvserve.model.loader import load_model
+    from kvserve.model.shard import shard_weights
+    rc, d = _plan_json(capsys, "SmolLM2-135M", "-tp", "3")
+    loaded = load_model(None, dtype=torch.bfloat16)
+    held = sum(t.numel() * 2 for t in shard_weights(loaded.weights, loaded.config, 1, 3).values())
+    assert rc == 0 and d["rank_weights"] == held
+    assert _plan_json(capsys, "SmolLM2-135M")[1]["rank_weights"] is None
+
+
 def test_cli_strict_fails_when_max_model_len_cannot_fit(capsys):
     assert plan_tool.main(["SmolLM2-135M", "--kv-cache-memory", "100MiB"]) == 0
     out = capsys.readouterr().out

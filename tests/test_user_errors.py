@@ -116,9 +116,9 @@ def test_vllm_server_flags_reach_the_server_settings(argv, attr, value):
     assert getattr(ns, attr) == value and getattr(_serve([])[0], attr) != value
 
 
-@pytest.mark.parametrize("argv, message", [(["-tp", "2"], "tensor parallelism"),
+@pytest.mark.parametrize("argv, message", [(["-pp", "2"], "pipeline parallelism"),
                                            (["--tokenizer-mode", "slow"], "fast tokenizer"),
-                                           (["--distributed-executor-backend", "ray"], "no Ray backend"),
+                                           (["--distributed-executor-backend", "threads"], "invalid choice"),
                                            (["--allowed-origins", "*"], "JSON list")])
 def test_vllm_serve_flags_refused_with_the_reason(argv, message, capsys):
     from kvserve.cli import build_parser

@@ -236,6 +236,13 @@ class EngineArgs:
         "cache_aware", "kvserve: how the API server picks a data-parallel replica for a request: cache_aware "
                        "(the longest cached prefix, unless the load is out of balance), least_loaded (vLLM's "
                        "balancing) or round_robin", "Parallel", ("cache_aware", "least_loaded", "round_robin"))
+    tensor_parallel_size: int = _arg(1, "Number of tensor parallel groups: ranks each holding 1/N of every "
+                                        "projection and of the KV heads, one process per rank, each with its "
+                                        "share of the cores (docs/tensor-parallel.md)", "Parallel")
+    distributed_executor_backend: str = _arg(
+        "mp", "Backend to use for distributed model workers, either \"ray\" or \"mp\" (multiprocessing); "
+              "kvserve: mp starts the ranks as local processes (uni: the same at --tensor-parallel-size 1)",
+        "Parallel", ("mp", "uni", "ray"))
     # Kernels
     attention_backend: str = _arg("auto", "attention kernels: torch (the CPU kernels, SDPA elsewhere) or "
                                           "triton (CUDA); auto: triton on CUDA when installed", "Kernels",
@@ -344,6 +351,7 @@ class EngineArgs:
                               f"(got {self.kv_offload_min_priority})")
         if self.data_parallel_size < 1:
             raise ConfigError(f"--data-parallel-size must be >= 1 (got {self.data_parallel_size})")
+        self._validate_tensor_parallel()
         self.speculative  # raises ConfigError on a malformed --speculative-config
         self.kv_events  # and on a malformed --kv-events-config
         if self.kv_transfer is not None and self.kv_redis_url is None:
@@ -351,6 +359,31 @@ class EngineArgs:
                               "--kv-redis-url redis://host:port/db, the same on the prefill and decode servers")
         self._validate_tiers()
         self._validate_lora()
+
+    def _validate_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tp})")
+        if self.distributed_executor_backend == "ray":
+            raise ConfigError("--distributed-executor-backend ray is not implemented: kvserve's ranks run as local "
+                              "processes; use --distributed-executor-backend mp (the default)")
+        if self.distributed_executor_backend not in ("mp", "uni"):
+            raise ConfigError(f"--distributed-executor-backend must be mp, uni or ray "
+                              f"(got {self.distributed_executor_backend!r})")
+        if tp == 1:
+            return
+        if self.distributed_executor_backend == "uni":
+            raise ConfigError(f"--distributed-executor-backend uni runs one process, but --tensor-parallel-size {tp} "
+                              f"needs one per rank; use --distributed-executor-backend mp")
+        refused = [(self.data_parallel_size > 1, f"--data-parallel-size {self.data_parallel_size}"),
+                   (self.has_kv_tiers and self.kv_cache_dtype != "auto",
+                    f"--kv-cache-dtype {self.kv_cache_dtype} with the KV offload tiers (--swap-space / "
+                    f"--cpu-offload-gb / --kv-disk-path / --kv-redis-url)"),
+                   (self.kv_transfer_config is not None, "--kv-transfer-config"),
+                   (self.quantization == "gguf", "--quantization gguf (a sharded model runs bf16 projections)")]
+        for hit, what in refused:
+            if hit:
+                raise ConfigError(f"{what} is not implemented with --tensor-parallel-size {tp}; drop one of them")
 
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:

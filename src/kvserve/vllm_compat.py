@@ -5,7 +5,6 @@ CLI's errors and `LLM(**kwargs)` say about them (config.py checks them, cli.py t
 # and `LLM(**kwargs)` both take them. A flag whose field is
 # added to EngineArgs later is generated from it instead, so an entry here can never shadow a real one.
 VLLM_REFUSED = {
-    "tensor_parallel_size": ("1", "kvserve runs one device per process; tensor parallelism is not implemented"),
     "pipeline_parallel_size": ("1", "pipeline parallelism is not implemented"),
     "enable_expert_parallel": (None, "mixture-of-experts models are not supported"),
     "load_format": (("auto", "safetensors", "gguf"), "only safetensors directories and GGUF files are loaded, "
@@ -17,7 +16,6 @@ VLLM_REFUSED = {
     "guided_decoding_backend": (None, "structured output is not implemented"),
     "revision": (None, "hub revisions are not supported; pass a local model directory"),
     "tokenizer_mode": ("auto", "the model's fast tokenizer (tokenizer.json or GGUF metadata) is always used"),
-    "distributed_executor_backend": (("mp", "uni"), "kvserve runs in one process; there is no Ray backend"),
 }
 # Flags that change nothing here: name -> why (switches), and the same for flags that take a value.
 VLLM_NOOP = {"trust_remote_code": "kvserve never runs model code; llama, mistral and qwen2 are built in",
@@ -32,5 +30,6 @@ VLLM_NOOP_VALUE = {"max_seq_len_to_capture": "kvserve's decode graphs cover ever
                                          "ahead, its CUDA decode steps are CUDA graphs (--enforce-eager)",
                    "optimization_level": "kvserve does not run torch.compile (see --compilation-config)"}
 # Offline `LLM(...)` arguments of vLLM's with nothing to do here (value ignored).
-VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "one device per process: no all-reduce"}
+VLLM_NOOP_OFFLINE = {"disable_custom_all_reduce": "tensor parallelism's all-reduce is torch.distributed's "
+                                                  "(gloo on CPU, NCCL on CUDA); there is no custom one"}
 

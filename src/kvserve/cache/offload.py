@@ -199,10 +199,13 @@ def engine_fingerprint(args: EngineArgs, model_config: Any, weights: dict[str, t
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         h.update(t.detach().reshape(-1)[:256].contiguous().view(torch.uint8).cpu().numpy().tobytes())
     kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else str(dtype).removeprefix("torch.")
+    # Under tensor parallelism an entry holds every rank's heads in rank order: another rank count
+    # (or none) must never read it.
+    tp = f"tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     return EngineFingerprint.from_model_config(
         model_config, model_id=f"{model_config.architecture}:{model_config.name}:{h.hexdigest()}",
         kv_cache_dtype=kv_dtype, block_size=args.block_size,
-        extra=":".join(filter(None, (type(kv_cache).__name__, getattr(kv_cache, "layout_tag", "")))))
+        extra=":".join(filter(None, (type(kv_cache).__name__, getattr(kv_cache, "layout_tag", ""), tp))))
 
 
 def build_kv_tiers(args: EngineArgs, fingerprint: EngineFingerprint, kv_cache: Any

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.errors import TensorParallelError
+
 logger = logging.getLogger(__name__)
 
 # Front end -> core messages: (ADD, call_id, request_id, prompt, params, priority, cache_salt,
@@ -52,6 +54,9 @@ class EngineCore:
             from kvserve.engine.kv_events import ZmqEventPublisher
             self.publisher = ZmqEventPublisher(config, data_parallel_rank)
         self.num_step_errors = 0
+        # Why the engine cannot run another step (a tensor-parallel rank is gone): the core
+        # process sends the failed batch, then exits non-zero.
+        self.fatal: str | None = None
         self._live: set[str] = set()  # requests admitted and not yet finished or aborted
         self._replies: list = []
         self._aborted: list[str] = []
@@ -130,6 +135,8 @@ class EngineCore:
             ids = sorted(self._live)
             logger.exception("engine step failed; aborting %d in-flight requests", len(ids))
             self._failed = (ids, f"engine step failed: {type(e).__name__}: {e}")
+            if isinstance(e, TensorParallelError):
+                self.fatal = str(e)
             self._live.clear()
             try:
                 self._ended.extend((out, ABORT_ERROR) for out in self.engine.abort_request(ids))

@@ -98,6 +98,12 @@ class InprocClient:
                     if not self._inbox:
                         self._cv.wait(self.BACKOFF_S)
             self.on_batch(batch)
+            if core.fatal:  # a tensor-parallel rank is gone: no step can run again
+                logger.error("the engine cannot continue: %s", core.fatal)
+                with self._cv:
+                    self._stop = True
+                self.on_dead(f"the engine cannot continue: {core.fatal}")
+                return
         self.on_dead("the server is shutting down")
         logger.info("engine loop stopped")
 

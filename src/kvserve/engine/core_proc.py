@@ -104,6 +104,9 @@ def _loop(core, inbox, outbox, parent_pid: int, shutdown: str) -> None:
         had_requests, started = core.has_requests, time.monotonic()
         batch = core.iteration()
         outbox.send(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+        if core.fatal:
+            logger.error("the engine cannot continue: %s", core.fatal)
+            raise SystemExit(1)
         if had_requests and not batch.outputs and not batch.progress and time.monotonic() - started < 1e-3:
             inbox.poll(BACKOFF_POLL_MS)
 

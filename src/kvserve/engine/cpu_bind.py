@@ -21,23 +21,25 @@ def parse_cpu_list(text: str) -> list[int]:
     return cpus
 
 
-def cpu_sets(num_replicas: int, bind: str, available: list[int] | None = None) -> list[list[int] | None]:
-    """One CPU list per replica (None: no binding). Raises ConfigError when there are fewer CPUs
-    than replicas, naming both numbers."""
+def cpu_sets(num_replicas: int, bind: str, available: list[int] | None = None,
+             flag: str = "--data-parallel-size") -> list[list[int] | None]:
+    """One CPU list per replica (None: no binding), or per tensor-parallel rank (`flag` the one
+    that set their number). Raises ConfigError when there are fewer CPUs than replicas, naming
+    both numbers; explicit lists may share CPUs (the user asked for it)."""
     cpus = sorted(available if available is not None else os.sched_getaffinity(0))
     if bind == "all":
         if num_replicas > len(cpus):
-            raise _too_many(num_replicas, len(cpus))
+            raise _too_many(num_replicas, len(cpus), flag)
         return [None] * num_replicas
     if bind == "auto":
         if num_replicas > len(cpus):
-            raise _too_many(num_replicas, len(cpus))
+            raise _too_many(num_replicas, len(cpus), flag)
         share = len(cpus) // num_replicas
         return [cpus[r * share:(r + 1) * share] for r in range(num_replicas)]
     lists = [parse_cpu_list(p) for p in bind.split("|")]
     if len(lists) != num_replicas:
         raise ConfigError(f"VLLM_CPU_OMP_THREADS_BIND gives {len(lists)} CPU lists ({bind!r}) for "
-                          f"--data-parallel-size {num_replicas}; give one list per replica, separated by |")
+                          f"{flag} {num_replicas}; give one list per replica, separated by |")
     missing = sorted({c for cl in lists for c in cl} - set(cpus))
     if missing:
         raise ConfigError(f"VLLM_CPU_OMP_THREADS_BIND names CPUs {missing} that this process may not use "
@@ -45,6 +47,7 @@ def cpu_sets(num_replicas: int, bind: str, available: list[int] | None = None) -
     return lists
 
 
-def _too_many(n: int, cpus: int) -> ConfigError:
-    return ConfigError(f"--data-parallel-size {n} needs at least one CPU per replica, but this process may use "
-                       f"{cpus}; lower --data-parallel-size to at most {cpus}")
+def _too_many(n: int, cpus: int, flag: str) -> ConfigError:
+    return ConfigError(f"{flag} {n} needs at least one CPU per replica, but this process may use "
+                       f"{cpus}; lower {flag} to at most {cpus} (or give VLLM_CPU_OMP_THREADS_BIND one CPU list "
+                       f"per replica, e.g. \"0|1|0\", to share CPUs)")

@@ -54,7 +54,11 @@ def _shutdown_tiers(kv: KVCacheManager, offloader, tiers) -> None:
     handed, refused_before, finished = 0, {}, True
     if offloader is not None and tiers.lower:
         refused_before = {t.name: t.stats().rejected for t in tiers.lower}
-        handed = offloader.persist(kv.cached_blocks(), timeout=SHUTDOWN_WRITE_SECONDS)
+        try:
+            handed = offloader.persist(kv.cached_blocks(), timeout=SHUTDOWN_WRITE_SECONDS)
+        except Exception as e:  # a tensor-parallel rank gone: its heads cannot be read
+            logger.warning("shutdown: the cached KV blocks were not written to the lower tiers: %s", e)
+            handed = 0
         finished = not handed or tiers.flush(SHUTDOWN_WRITE_SECONDS)
         if not finished:
             logger.warning("shutdown: the KV tier writer did not finish within %d s; some of the %d cached "
@@ -102,11 +106,15 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, setup: EngineSetup | None = None) -> None:
         args.validate()
         self.args = args
-        setup = setup or build_engine_parts(args)
+        if setup is None:
+            from kvserve.engine import tp_executor
+            setup = build_engine_parts(args, start_ranks=tp_executor.start)
         self.setup = setup
         self.model_config = setup.model_config
         self.tokenizer = setup.tokenizer
         self.runner = setup.runner
+        # Tensor parallelism: the other ranks stop with the engine (close(), collection, or exit).
+        self._close_runner = weakref.finalize(self, self.runner.close) if hasattr(self.runner, "close") else None
         self.max_model_len = setup.max_model_len
         self.sampling_defaults = self._sampling_defaults(args)
         # A token's own text: logprobs' decoded_token, the server's /tokenize token strings.
@@ -419,6 +427,8 @@ class LLMEngine:
         never closed does it when collected or at interpreter exit."""
         if self.kv_tiers is not None:
             self._close_tiers()  # a finalizer: runs once
+        if self._close_runner is not None:
+            self._close_runner()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

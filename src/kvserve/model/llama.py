@@ -129,6 +129,10 @@ class LlamaModel:
         self.use_compiled_decoder = True
         self._decoder_unsupported = cpu_decoder.unsupported(self)
         self._decoder: tuple[KVCache, cpu_decoder.CompiledDecoder | None] | None = None  # cache, loop over it
+        # Tensor parallelism: sums a row-parallel projection's partial products across the ranks,
+        # in place (runner/distributed.py). The compiled layer loop has no point to call it from,
+        # so a sharded model runs the Python loop (its per-op compiled kernels still run).
+        self.all_reduce = None
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 like HF
@@ -166,7 +170,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         cos, sin = self.rope_cos_sin(positions)
         h = F.embedding(input_ids, self.embed_tokens)  # a copy: the residual stream is updated in place
-        decoder = self.compiled_decoder(kv_cache)
+        decoder = self.compiled_decoder(kv_cache) if self.all_reduce is None else None
         if lora is not None and decoder is not None and not (lora.packed and decoder.takes_lora):
             decoder = None
         if decoder is not None:
@@ -201,12 +205,15 @@ class LlamaModel:
             if out_rows is not None and i + 1 == len(self.layers):
                 o, h, t = o[out_rows], h[out_rows], out_rows.numel()
                 if t == 0:
+                    self._reduce_scores(attn_metadata)
                     return h
                 lora = lora.restrict(out_rows) if lora is not None else None
             o = o.reshape(t, self.q_size)
             proj = layer.o_proj(o)
             if lora is not None:
                 lora.add(proj, o, i, "o")
+            if self.all_reduce is not None:
+                self.all_reduce(proj)
             x = ops.add_rms_norm(h, proj, layer.post_attn_norm, eps)
             if lora is not None:  # the delta goes in before SiLU; plain() keeps the epilogue's column order
                 gate_up = lora.add(layer.gate_up_proj.plain(x), x, i, "gate_up")
@@ -218,10 +225,21 @@ class LlamaModel:
             down = layer.down_proj(act)
             if lora is not None:
                 lora.add(down, act, i, "down")
+            if self.all_reduce is not None:
+                self.all_reduce(down)
             # The residual add closes the layer and fuses with the next norm (or the final one).
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, down, next_norm, eps)
+        self._reduce_scores(attn_metadata)
         return x
+
+    def _reduce_scores(self, meta: AttentionMetadata) -> None:
+        """Under tensor parallelism each rank scored its own heads: the attention per block that
+        decides what h2o / snapkv keep is the sum over all of them."""
+        if self.all_reduce is not None:
+            for i, scores in meta.block_scores.items():
+                meta.block_scores[i] = scores = scores.contiguous()
+                self.all_reduce(scores)
 
     def _qkv_rotated_plus_lora(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                i: int, lora: LoRAStep) -> torch.Tensor:

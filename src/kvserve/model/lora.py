@@ -156,8 +156,12 @@ def _read_config(path: str) -> dict:
 
 
 def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-                 digest: str | None = None) -> LoRAAdapter:
-    """Read and check a PEFT adapter directory for this model. Raises LoRAError naming what is wrong."""
+                 digest: str | None = None, shard: tuple[ModelConfig, int, int] | None = None) -> LoRAAdapter:
+    """Read and check a PEFT adapter directory for this model. Raises LoRAError naming what is wrong.
+    `shard`: (the whole model's config, rank, tensor-parallel size): the adapter is checked
+    against the whole model, then split as the rank's projections are (model/shard.py)."""
+    if shard is not None:
+        cfg = shard[0]
     config = _read_config(path)
     weights_path = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(weights_path):
@@ -204,6 +208,9 @@ def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: t
                             f"--max-lora-rank to at least {r}")
         rank = max(rank, r)
         scale = alpha / (math.sqrt(r) if rslora else r)
+        if shard is not None:
+            from kvserve.model.shard import shard_lora
+            a, b = shard_lora(module, a, b, *shard)
         weights[(layer, module)] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
     return LoRAAdapter(name, path, digest or adapter_digest(path), rank,
                        tuple(sorted({m for _, m in weights}, key=list(TARGETS).index)), weights)

@@ -154,9 +154,34 @@ def _static_fp8_scales(args: EngineArgs, weights: dict) -> bool:
                                                          for k in weights)
 
 
-def build_engine_parts(args: EngineArgs) -> EngineSetup:
-    from kvserve.model.loader import load_model, resolve_dtype
+def make_runner(args: EngineArgs, cfg: ModelConfig, weights: dict, codes: dict | None, budget: KVBudget,
+                dtype: torch.dtype, device: torch.device, kv_scales: KVScales | None, rank: int = 0):
+    """The ModelRunner of one rank (the only one without tensor parallelism): its share of the
+    weights (model/shard.py) and a KV pool of `budget.num_blocks` blocks of its heads. A sharded
+    model runs bf16 projections, not GGUF codes (their blocks are not split by rank)."""
+    from kvserve.model.shard import rank_config, shard_weights
     from kvserve.runner.model_runner import ModelRunner, RunnerConfig
+
+    tp = args.tensor_parallel_size
+    lora_shard = (cfg, rank, tp) if tp > 1 else None
+    if tp > 1:
+        weights, cfg, codes = shard_weights(weights, cfg, rank, tp), rank_config(cfg, tp), None
+    return ModelRunner(cfg, weights, RunnerConfig(
+        dtype=dtype, device=device, block_size=args.block_size, num_blocks=budget.num_blocks,
+        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, attention_backend=args.attention_backend,
+        disable_cascade_attn=args.disable_cascade_attn,
+        cuda_graph_sizes=tuple(cuda_graph_sizes(args, device)) if tp == 1 else (),
+        max_model_len=budget.max_model_len, num_residual_blocks=quantized.residual_blocks_for(args.max_num_seqs),
+        kv_scales=kv_scales, max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras, lora_dtype=lora_dtype(args, dtype, device), lora_shard=lora_shard),
+        weight_codes=None if args.quantization == "none" else codes)
+
+
+def build_engine_parts(args: EngineArgs, start_ranks=None) -> EngineSetup:
+    """`start_ranks(args, loaded, budget, dtype, device, kv_scales)`: with --tensor-parallel-size
+    above 1, starts the other ranks and returns rank 0's runner driving them (engine/tp_executor.py)."""
+    from kvserve.model.loader import load_model, resolve_dtype
+    from kvserve.model.shard import rank_config
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device.type)
@@ -175,26 +200,28 @@ def build_engine_parts(args: EngineArgs) -> EngineSetup:
     if device.type == "cuda" and args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
         gpu_budget = _cuda_kv_budget(args, loaded.weights)
     static_scales = _static_fp8_scales(args, loaded.weights)
-    budget = kv_budget_for(args, cfg, dtype, device, gpu_budget, static_scales)
+    # Each rank's pool holds its own KV heads: the same budget buys tensor_parallel_size times the blocks.
+    budget = kv_budget_for(args, rank_config(cfg, args.tensor_parallel_size), dtype, device, gpu_budget,
+                           static_scales)
     bpb = budget.bytes_per_block
     kv_scales = None
     if static_scales:
         kv_scales = KVScales.from_weights(loaded.weights, cfg.num_hidden_layers)
         logger.info("fp8 KV cache: using the checkpoint's static k/v scales")
-    runner = ModelRunner(cfg, loaded.weights, RunnerConfig(
-        dtype=dtype, device=device, block_size=args.block_size, num_blocks=budget.num_blocks,
-        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, attention_backend=args.attention_backend,
-        disable_cascade_attn=args.disable_cascade_attn, cuda_graph_sizes=tuple(cuda_graph_sizes(args, device)),
-        max_model_len=budget.max_model_len, num_residual_blocks=quantized.residual_blocks_for(args.max_num_seqs),
-        kv_scales=kv_scales, max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, lora_dtype=lora_dtype(args, dtype, device)),
-        weight_codes=None if args.quantization == "none" else loaded.codes)
+    if args.tensor_parallel_size > 1:
+        if start_ranks is None:
+            raise ConfigError("--tensor-parallel-size above 1 needs the engine to start its ranks: build the "
+                              "engine with LLMEngine.from_engine_args")
+        runner = start_ranks(args, loaded, budget, dtype, device, kv_scales)
+    else:
+        runner = make_runner(args, cfg, loaded.weights, loaded.codes, budget, dtype, device, kv_scales)
     start = time.perf_counter()
     runner.warm_up(min(args.resolved_max_num_batched_tokens(budget.max_model_len), budget.max_model_len - 1))
     logger.info("warm-up step: %.2f s", time.perf_counter() - start)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
+    logger.info("KV cache%s: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block, kv dtype %s); "
                 "maximum concurrency for %d tokens per request: %.2fx",
-                budget.num_blocks, args.block_size, budget.num_tokens,
+                f" (per rank, its {runner.model_config.num_key_value_heads} KV heads)"
+                if args.tensor_parallel_size > 1 else "", budget.num_blocks, args.block_size, budget.num_tokens,
                 budget.num_blocks * bpb / 2**20, bpb, args.kv_cache_dtype, budget.max_model_len,
                 budget.max_concurrency)
     if budget.residual_bytes:

@@ -21,9 +21,12 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device, orders: dict | None = None, kernels=None) -> None:
-        """`orders` and `kernels`: LoRASlots' (the projections' epilogue orders; the kernels to pack for)."""
+                 dtype: torch.dtype, device: torch.device, orders: dict | None = None, kernels=None,
+                 shard: tuple | None = None) -> None:
+        """`orders` and `kernels`: LoRASlots' (the projections' epilogue orders; the kernels to pack for);
+        `shard`: a tensor-parallel rank's (whole model config, rank, size), by which adapters are split."""
         self.cfg, self.max_rank, self.max_cpu_loras, self.dtype = cfg, max_rank, max_cpu_loras, dtype
+        self.shard = shard
         self.slots = LoRASlots(cfg, max_loras, max_rank, dtype, device, orders, kernels)
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # key -> adapter, least recent first
         self.pins: Counter[str] = Counter()  # key -> unfinished requests using it
@@ -58,7 +61,8 @@ class LoRAManager:
             self.host.move_to_end(key)
             self.pins[key] += pins
             return key
-        adapter = load_adapter(req.lora_path, req.lora_name, self.cfg, self.max_rank, self.dtype, digest or None)
+        adapter = load_adapter(req.lora_path, req.lora_name, self.cfg, self.max_rank, self.dtype, digest or None,
+                               self.shard)
         key = adapter_key(req.lora_name, adapter.digest)
         self.num_host_loads += 1
         self.host[key] = adapter

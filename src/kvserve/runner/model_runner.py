@@ -62,6 +62,8 @@ class RunnerConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: torch.dtype | None = None
+    # A tensor-parallel rank: (the whole model's config, rank, size), by which adapters are split.
+    lora_shard: tuple | None = None
 
 
 class ModelRunner:
@@ -102,7 +104,8 @@ class ModelRunner:
             lora_dtype = config.lora_dtype or self.dtype
             self.lora = LoRAManager(model_config, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, lora_dtype, self.device, orders,
-                                    packing_kernels(model_config, self.dtype, lora_dtype, self.device))
+                                    packing_kernels(model_config, self.dtype, lora_dtype, self.device),
+                                    shard=config.lora_shard)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:
             self._capture(list(config.cuda_graph_sizes), config.max_model_len or model_config.max_position_embeddings)
@@ -170,7 +173,9 @@ class ModelRunner:
         self.sampler.forget([req.request_id])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:
+        """`sample=False`: the forward only (a tensor-parallel rank above 0: its all-reduces are
+        the step's; rank 0 alone scores and samples)."""
         if out.block_copies:
             self.kv_cache.copy_blocks(out.block_copies)
         if out.finished_req_ids:
@@ -200,11 +205,11 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, self.rope_positions(out, meta), meta, self.kv_cache,
                                         torch.tensor(logit_rows, dtype=torch.long, device=self.device) if trimmed else None,
                                         **({"lora": lora} if lora is not None else {}))
-            prompt_lps = {} if trimmed else self._prompt_logprobs(out, hidden, meta)
+            prompt_lps = {} if trimmed or not sample else self._prompt_logprobs(out, hidden, meta)
             block_scores = {out.scheduled[i].request.request_id: t.tolist() for i, t in meta.block_scores.items()}
         self.kv_cache.finish_step()
 
-        if not sampling and not guessing:
+        if not sample or (not sampling and not guessing):
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, kv_block_scores=block_scores)
         if not trimmed:
             hidden = hidden[torch.tensor(logit_rows, device=self.device)]

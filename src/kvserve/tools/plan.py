@@ -186,6 +186,15 @@ def estimate_weights(spec: ModelSpec, dtype: str, quantization: str, tensor_para
     return WeightEstimate(math.ceil(total / tp), q, params.total, note)
 
 
+def kvserve_rank_weights(spec: ModelSpec, dtype: str, tensor_parallel_size: int) -> int:
+    """The weight bytes one of kvserve's tensor-parallel ranks holds: the decoder's projections
+    split N ways in `dtype` (GGUF codes are dequantized for sharding), the embedding, lm_head and
+    norms whole on every rank (model/shard.py)."""
+    params = count_parameters(spec.config)
+    return (math.ceil(params.decoder_linear / tensor_parallel_size)
+            + params.total - params.decoder_linear) * DTYPE_BYTES[dtype]
+
+
 def estimate_activation_reserve(cfg: ModelConfig, dtype: str, tensor_parallel_size: int,
                                 max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """Peak non-KV memory of one forward, a stand-in for the profiling run the engine does.
@@ -303,6 +312,8 @@ class PlanReport:
     warnings: list[str] = field(default_factory=list)
     fatal: bool = False  # max-model-len cannot fit (exit 1 under --strict)
     curves: list[TableRow] = field(default_factory=list)  # the table on a finer grid of lengths, for --plot
+    rank_weights: int | None = None  # tensor parallelism: what one of kvserve's ranks holds
+    model_dtype: str = "bfloat16"
 
 
 def curve_lens(table_lens: list[int], block_size: int, longest: int) -> list[int]:
@@ -348,7 +359,9 @@ def build_plan_report(args: argparse.Namespace) -> PlanReport:
     report = PlanReport(model=cfg.name, source=spec.source, architecture=cfg.architecture,
                         num_hidden_layers=cfg.num_hidden_layers, num_key_value_heads=cfg.num_key_value_heads,
                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                        budget=budget, plan=plan, table=rows(lens))
+                        budget=budget, plan=plan, table=rows(lens), model_dtype=dtype,
+                        rank_weights=(kvserve_rank_weights(spec, dtype, args.tensor_parallel_size)
+                                      if args.tensor_parallel_size > 1 else None))
     if getattr(args, "plot", None):
         report.curves = rows(curve_lens(lens, args.block_size, max(cfg.max_position_embeddings, plan.max_model_len)))
     residual = (f" (the {args.kv_cache_dtype} cache's full-precision residual pool takes "
@@ -440,6 +453,9 @@ def format_plan_report(r: PlanReport) -> str:
         lines += [f"  budget                        {fmt_bytes(b.kv_cache_memory + b.lora_bytes)}  ({source})",
                   f"  LoRA adapter slots            -{fmt_bytes(b.lora_bytes)}  ({b.lora_note})"]
         source = "what the slots leave"
+    if r.rank_weights is not None:
+        lines.append(f"  kvserve weights per rank      {fmt_bytes(r.rank_weights)}  ({r.model_dtype}: projections / "
+                     f"{p.tensor_parallel_size}, embedding, lm_head and norms on every rank)")
     lines += [f"  KV cache budget               {fmt_bytes(b.kv_cache_memory)}  ({source})", "",
               f"KV cache (kv-cache-dtype {kv_dtype}, block size {p.block_size})",
               f"  bytes per token               {p.bytes_per_token:,.0f} per GPU"
