@@ -52,8 +52,10 @@ def test_a_full_queue_answers_503_with_retry_after():
     server = start_server(*SMALL, "--disable-log-stats", "--max-num-seqs", "1", "--max-queued-requests", "1")
     try:
         async def main():
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-                long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+            # float32 on 2 shared cores: 96 tokens keep one request running while the queue fills,
+            # and the bound leaves room for a loaded machine.
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+                long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 96, "ignore_eos": True}
 
                 async def gauge(name: str, at_least: float) -> None:
                     while True:
