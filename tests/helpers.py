@@ -1,4 +1,5 @@
-"""Small helpers every kind of test uses: sampling parameters, ports, bounded waits."""
+"""Small helpers every kind of test uses: sampling parameters, ports, bounded waits, a checked
+scheduler step."""
 from __future__ import annotations
 
 import contextlib
@@ -59,3 +60,21 @@ def terminate(proc, timeout: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def sched_step(sched, runner) -> None:
+    """One scheduler step through a model-free runner, then the KV accounting checked from scratch."""
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
+    sched.kv.check_integrity()
+
+
+def sched_run(sched, runner, reqs, max_steps: int = 2000) -> None:
+    """Add reqs and step until nothing is left (bounded: a request that never finishes fails)."""
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return
+        sched_step(sched, runner)
+    raise AssertionError("requests never finished")

@@ -7,7 +7,7 @@ import itertools
 import random
 
 import pytest
-from helpers import greedy
+from helpers import greedy, sched_run, sched_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,26 +29,10 @@ def make(num_blocks, block_size, chunk=16, max_len=40, policy="lru"):
     return Scheduler(cfg, kv), CostModelRunner(vocab_size=VOCAB)
 
 
-def step(sched, runner):
-    out = sched.schedule()
-    sched.update_from_output(out, runner.execute(out))
-    sched.kv.check_integrity()
-
-
-def run_to_end(sched, runner, reqs):
-    for r in reqs:
-        sched.add_request(r)
-    for _ in range(2000):
-        if not sched.has_unfinished_requests():
-            return
-        step(sched, runner)
-    raise AssertionError("requests never finished")
-
-
 def pin(sched, runner, pin_id, prompt, salt=None):
     """As the engine does: prefill the prompt, then pin its full blocks in the step that freed them."""
     req = Request(f"pin:{pin_id}", prompt, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt=salt)
-    run_to_end(sched, runner, [req])
+    sched_run(sched, runner, [req])
     return sched.kv.pin(pin_id, req)
 
 
@@ -59,13 +43,13 @@ def test_a_pinned_prefix_survives_a_flood_that_flushes_lru():
     assert len(p.blocks) == 3 and all(b.ref_cnt == 1 for b in p.blocks)
     flood = [Request(f"f{i}", [i % 4, (i + 1) % 4, 2, (i // 4) % 4] * 2 + [i % 4],
                      SamplingParams(max_tokens=2, ignore_eos=True)) for i in range(12)]
-    run_to_end(sched, runner, flood)
+    sched_run(sched, runner, flood)
     assert sched.kv.pool.num_evictions > 0
     again = Request("p1", system + [2], SamplingParams(max_tokens=1, ignore_eos=True))
     assert sched.kv.get_computed_blocks(again).num_tokens == len(system)
     sched.kv.pins.unpin("sys")
     sched.kv.check_integrity()
-    run_to_end(sched, runner, [Request(f"g{i}", r.prompt_token_ids[::-1], SamplingParams(max_tokens=2, ignore_eos=True))
+    sched_run(sched, runner, [Request(f"g{i}", r.prompt_token_ids[::-1], SamplingParams(max_tokens=2, ignore_eos=True))
                                for i, r in enumerate(flood)])
     assert sched.kv.get_computed_blocks(Request("p2", system + [2], SamplingParams())).num_tokens < len(system)
 
@@ -73,7 +57,7 @@ def test_a_pinned_prefix_survives_a_flood_that_flushes_lru():
 def test_reset_prefix_cache_keeps_pinned_blocks():
     sched, runner = make(16, 4)
     p = pin(sched, runner, "a", [1, 2, 3, 0] * 2 + [1])
-    run_to_end(sched, runner, [Request("x", [0, 0, 1, 1] * 2 + [2], SamplingParams(max_tokens=1, ignore_eos=True))])
+    sched_run(sched, runner, [Request("x", [0, 0, 1, 1] * 2 + [2], SamplingParams(max_tokens=1, ignore_eos=True))])
     assert sched.kv.reset_prefix_cache()
     assert all(sched.kv.pool.lookup(b.block_hash) is b for b in p.blocks)
     assert sched.kv.pool.num_cached_free == 0
@@ -114,7 +98,7 @@ def test_pinned_blocks_are_never_evicted(ops, num_blocks, block_size, chunk, pol
                 max_tokens=min(max_tokens, max_len - len(prompt)), ignore_eos=True, cache_retention=ret)))
             live.append(rid)
         elif op[0] == "step":
-            step(sched, runner)
+            sched_step(sched, runner)
         elif op[0] == "abort" and live:
             sched.finish_request(live[op[1] % len(live)], RequestStatus.FINISHED_ABORTED)
         elif op[0] == "preempt" and live:
@@ -135,7 +119,7 @@ def test_pinned_blocks_are_never_evicted(ops, num_blocks, block_size, chunk, pol
                 assert block.ref_cnt >= 1 and block.block_id not in kv.pool.free_queue
                 assert block.block_hash == h and kv.pool.lookup(h) is block and block.token_ids == tokens
         live = [r for r in live if r in sched.requests]
-    run_to_end(sched, runner, [])
+    sched_run(sched, runner, [])
     assert kv.pool.num_used_blocks == kv.pins.num_blocks
 
 

@@ -11,6 +11,7 @@ import itertools
 import math
 
 import pytest
+from helpers import sched_run, sched_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,22 +253,6 @@ def make(num_blocks, block_size, clock, chunk=16, max_len=None):
     return Scheduler(cfg, kv), CostModelRunner(vocab_size=VOCAB)
 
 
-def step(sched, runner):
-    out = sched.schedule()
-    sched.update_from_output(out, runner.execute(out))
-    sched.kv.check_integrity()
-
-
-def run_to_end(sched, runner, reqs):
-    for r in reqs:
-        sched.add_request(r)
-    for _ in range(2000):
-        if not sched.has_unfinished_requests():
-            return
-        step(sched, runner)
-    raise AssertionError("requests never finished")
-
-
 sched_ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
               st.integers(1, 8), retentions),
@@ -298,7 +283,7 @@ def test_random_workloads_keep_integrity_and_eviction_order(ops, num_blocks, blo
                 max_tokens=min(max_tokens, max_len - len(prompt)), ignore_eos=True, cache_retention=ret)))
             live.append(rid)
         elif op[0] == "step":
-            step(sched, runner)
+            sched_step(sched, runner)
         elif op[0] == "tick":
             clock.t += op[1]
         elif op[0] == "abort" and live:
@@ -310,7 +295,7 @@ def test_random_workloads_keep_integrity_and_eviction_order(ops, num_blocks, blo
     for _ in range(2000):
         if not sched.has_unfinished_requests():
             break
-        step(sched, runner)
+        sched_step(sched, runner)
     assert sched.kv.pool.num_used_blocks == 0
     sched.kv.check_integrity()
 
@@ -322,9 +307,9 @@ def test_shared_prefix_keeps_the_highest_priority_of_its_requests():
     sp = lambda p: SamplingParams(max_tokens=2, ignore_eos=True, cache_retention={"priority": p})  # noqa: E731
     hi, lo = Request("hi", prefix + [1], sp(90)), Request("lo", prefix + [2, 2], sp(10))
     sched.add_request(hi)
-    step(sched, runner)
-    run_to_end(sched, runner, [lo])  # lo hits hi's prefix and leaves it last
-    run_to_end(sched, runner, [])
+    sched_step(sched, runner)
+    sched_run(sched, runner, [lo])  # lo hits hi's prefix and leaves it last
+    sched_run(sched, runner, [])
     pool = sched.kv.pool
     prefix_blocks = [pool.lookup(h) for h in hi.block_hashes[:2]]
     assert all(b is not None and b.priority == 90 for b in prefix_blocks)
@@ -340,11 +325,11 @@ def test_premium_prefix_survives_a_burst_of_low_priority_prompts(retained):
     sched, runner = make(16, 4, clock)
     system = [3, 1, 2, 0] * 3
     hi, lo = ({"priority": 90}, {"priority": 10}) if retained else (None, None)
-    run_to_end(sched, runner, [Request("p0", system + [1], SamplingParams(
+    sched_run(sched, runner, [Request("p0", system + [1], SamplingParams(
         max_tokens=1, ignore_eos=True, cache_retention=hi))])
     burst = [Request(f"f{i}", [i % 4, (i + 1) % 4, 2, (i // 4) % 4] * 2 + [i % 4], SamplingParams(
         max_tokens=2, ignore_eos=True, cache_retention=lo)) for i in range(8)]
-    run_to_end(sched, runner, burst)
+    sched_run(sched, runner, burst)
     again = Request("p1", system + [2], SamplingParams(max_tokens=1, ignore_eos=True))
     hit = sched.kv.get_computed_blocks(again).num_tokens
     assert hit == len(system) if retained else hit < 4

@@ -17,21 +17,18 @@ import numbers
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Iterable
 
 from kvserve.cache.offload import build_kv_tiers
 from kvserve.config import ConfigError, EngineArgs, SchedulerConfig
-from kvserve.core.kv_compression import KVCompressionError
-from kvserve.core.kv_compression import active as active_compression
-from kvserve.core.kv_compression import check_kv_compression, parse_kv_compression
+from kvserve.core.kv_compression import KVCompressionError, check_kv_compression, parse_kv_compression
 from kvserve.core.lora import LoRARequest
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from kvserve.engine.detokenizer import IncrementalDetokenizer, token_text_cache
-from kvserve.engine.outputs import (CompletionOutput, EngineStats, Logprob, RequestError, RequestMetrics, RequestOutput,
-                                    RequestProgress)
+from kvserve.engine.outputs import CompletionOutput, EngineStats, RequestError, RequestOutput, RequestProgress
 from kvserve.engine.pins import EnginePins
+from kvserve.engine.sequences import Sequence, SequenceGroup, build_output, logprobs_entry, progress
 from kvserve.engine.stats import engine_stats
 from kvserve.kv.events import KVEventSink
 from kvserve.kv.manager import KVCacheManager
@@ -72,34 +69,6 @@ def _shutdown_tiers(kv: KVCacheManager, offloader, tiers) -> None:
                            "recompute them", t.name, refused, handed)
         else:
             logger.info("shutdown: %d cached KV blocks written to the %s tier", handed, t.name)
-
-
-@dataclass
-class _Sequence:
-    """One of a request's n output sequences."""
-    req: Request
-    index: int
-    detok: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    reported_finish: bool = False
-    # vLLM's prompt_logprobs (sequence 0 only): None for the first token, then one dict per token
-    # as the prefill chunks compute them; `prompt_scored` counts the filled positions.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    prompt_scored: int = 0
-
-
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[_Sequence]
-    arrival_time: float
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    prompt_logprobs_sent: bool = False  # send_deltas: the complete prompt logprobs went out once
 
 
 class LLMEngine:
@@ -146,9 +115,9 @@ class LLMEngine:
             # the pool's cached blocks go down too, the writer drains, the directory unlocks.
             self._close_tiers = weakref.finalize(self, _shutdown_tiers, self.kv, self.kv_offloader, self.kv_tiers)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_args(args, self.max_model_len), self.kv)
-        self._groups: dict[str, _Group] = {}
-        self._seq_of: dict[str, _Sequence] = {}
-        self._group_of: dict[str, _Group] = {}
+        self._groups: dict[str, SequenceGroup] = {}
+        self._seq_of: dict[str, Sequence] = {}
+        self._group_of: dict[str, SequenceGroup] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0  # forwards run, and the tokens the last one computed (vllm:iteration_tokens_total)
@@ -231,7 +200,7 @@ class LLMEngine:
         lora_id = self._resolve_lora(lora_request, params.n)  # held until each sequence ends
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = frozenset(self.tokenizer.eos_token_ids)
-        seqs: list[_Sequence] = []
+        seqs: list[Sequence] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             # Sequence 0 computes the prompt logprobs (without prefix-cache reads); the others
@@ -245,12 +214,12 @@ class LLMEngine:
                           else f"{request_id}#0")
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
                                            p.include_stop_str_in_output)
-            seq = _Sequence(req, i, detok, [] if p.logprobs is not None else None)
+            seq = Sequence(req, i, detok, [] if p.logprobs is not None else None)
             if p.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None] * len(prompt_ids)
                 req.skip_prefix_cache = len(prompt_ids) > 1
             seqs.append(seq)
-        group = _Group(request_id, prompt_text, prompt_ids, seqs, arrival, params.output_kind)
+        group = SequenceGroup(request_id, prompt_text, prompt_ids, seqs, arrival, params.output_kind)
         self._groups[request_id] = group
         for s in seqs:
             self._seq_of[s.req.request_id] = s
@@ -466,7 +435,7 @@ class LLMEngine:
         if self.args.check_integrity:
             self.kv.check_integrity()
         now = time.monotonic()
-        groups: dict[str, _Group] = {}
+        groups: dict[str, SequenceGroup] = {}
         for rid, chunk in result.prompt_logprobs.items():
             if rid in self._seq_of:
                 self._add_prompt_logprobs(self._seq_of[rid], chunk)
@@ -493,7 +462,7 @@ class LLMEngine:
         if self.pins.records:  # a pin's prefill is the engine's own: no output, no request metrics
             groups = {k: g for k, g in groups.items() if not self.pins.is_internal(k)}
             outputs = [o for o in outputs if not self.pins.is_internal(o.request_id)]
-        self.last_step_progress = [self._progress(g) for g in groups.values()]
+        self.last_step_progress = [progress(g) for g in groups.values()]
         return outputs
 
     def _export_kv(self, reqs: list) -> None:
@@ -509,7 +478,7 @@ class LLMEngine:
         self.kv_export_blocks += len(blocks)
         self.kv_export_seconds += time.perf_counter() - start
 
-    def _due(self, group: _Group) -> bool:
+    def _due(self, group: SequenceGroup) -> bool:
         """Whether this step's output of the group is sent: a final-only request's when it ends; a
         streamed one's every --stream-interval tokens, its first token and its end at once."""
         if group.output_kind == RequestOutputKind.FINAL_ONLY:
@@ -518,12 +487,12 @@ class LLMEngine:
         return n == 1 or any(s.req.is_finished or len(s.new_token_ids) >= n
                              or len(s.new_token_ids) == s.req.num_output_tokens for s in group.seqs)
 
-    def _add_sampled(self, req: Request, seq: _Sequence, tok) -> None:
+    def _add_sampled(self, req: Request, seq: Sequence, tok) -> None:
         """One sampled token: its logprobs, its text, and the stop strings it may complete."""
         self.generation_tokens_total += 1
         seq.new_token_ids.append(tok.token_id)
         if seq.logprobs is not None:
-            entry = self._logprobs_entry(tok.token_id, tok.logprob, tok.rank, tok.top_logprobs)
+            entry = logprobs_entry(self.token_text, tok.token_id, tok.logprob, tok.rank, tok.top_logprobs)
             seq.logprobs.append(entry)
             seq.new_logprobs.append(entry)
             seq.cumulative_logprob += tok.logprob
@@ -542,94 +511,27 @@ class LLMEngine:
             else:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
-    @staticmethod
-    def _progress(group: _Group) -> RequestProgress:
-        if len(group.seqs) == 1:
-            r = group.seqs[0].req
-            return RequestProgress(group.request_id, r.num_output_tokens, group.arrival_time,
-                                   r.first_token_time, r.last_token_time)
-        firsts = [s.req.first_token_time for s in group.seqs if s.req.first_token_time is not None]
-        lasts = [s.req.last_token_time for s in group.seqs if s.req.last_token_time is not None]
-        return RequestProgress(group.request_id, sum(s.req.num_output_tokens for s in group.seqs),
-                               group.arrival_time, min(firsts, default=None), max(lasts, default=None))
-
-    def _add_prompt_logprobs(self, seq: _Sequence, chunk) -> None:
+    def _add_prompt_logprobs(self, seq: Sequence, chunk) -> None:
         """File a prefill chunk's prompt logprobs by position (a recomputed chunk overwrites)."""
         prompt = seq.req.prompt_token_ids
         for j, (lp, rank, top) in enumerate(zip(chunk.logprobs, chunk.ranks, chunk.top)):
             pos = chunk.start + j
             if seq.prompt_logprobs[pos] is None:
                 seq.prompt_scored += 1
-            seq.prompt_logprobs[pos] = self._logprobs_entry(prompt[pos], lp, rank, top)
+            seq.prompt_logprobs[pos] = logprobs_entry(self.token_text, prompt[pos], lp, rank, top)
         if seq.prompt_scored == len(prompt) - 1:
             seq.req.skip_prefix_cache = False  # all scored: a resume may read the cache again
 
-    def _logprobs_entry(self, token_id: int, logprob: float, rank: int | None,
-                        top: dict[int, float] | None) -> dict[int, Logprob]:
-        """vLLM's per-token dict: the token itself first, then the top-k (best first) by rank."""
-        text = self.token_text
-        entry = {token_id: Logprob(logprob, rank, text(token_id))}
-        for r, (t, lp) in enumerate((top or {}).items(), start=1):
-            entry.setdefault(t, Logprob(lp, r, text(t)))
-        return entry
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        outputs = []
-        # DELTA (vLLM's): text, token_ids and logprobs hold only what is new since the last output.
-        delta_kind = group.output_kind == RequestOutputKind.DELTA
-        deltas_only = self.send_deltas
-        for s in group.seqs:
-            r = s.req
-            finished = r.is_finished
-            delta = s.detok.take_delta(finished)
-            with_lp = s.logprobs is not None
-            outputs.append(CompletionOutput(
-                index=s.index, text=None if deltas_only else delta if delta_kind else s.detok.emitted_text,
-                token_ids=None if deltas_only else list(s.new_token_ids) if delta_kind else list(r.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if with_lp else None,
-                logprobs=None if deltas_only or not with_lp else list(s.new_logprobs) if delta_kind else list(s.logprobs),
-                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason,
-                delta_text=delta, delta_token_ids=s.new_token_ids,
-                delta_logprobs=s.new_logprobs if with_lp else None,
-                num_attended_tokens=(r.num_computed_tokens - r.num_released_tokens
-                                     if active_compression(r.sampling_params.kv_compression) else None)))
-            s.new_token_ids = []
-            s.new_logprobs = []
-        first = group.seqs[0].req
-        done = all(s.req.is_finished for s in group.seqs)
-        metrics = RequestMetrics(
-            arrival_time=group.arrival_time,
-            first_scheduled_time=min((s.req.first_scheduled_time for s in group.seqs
-                                      if s.req.first_scheduled_time is not None), default=None),
-            first_token_time=min((s.req.first_token_time for s in group.seqs
-                                  if s.req.first_token_time is not None), default=None),
-            last_token_time=max((s.req.last_token_time for s in group.seqs
-                                 if s.req.last_token_time is not None), default=None),
-            finished_time=time.monotonic() if done else None,
-            num_cached_tokens=max(first.num_cached_tokens, 0), max_tokens=first.sampling_params.max_tokens,
-            num_cache_write_tokens=sum(s.req.num_cache_write_tokens for s in group.seqs),
-            cache_retention=first.sampling_params.cache_retention)
-        if done:
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        out = build_output(group, self.send_deltas)
+        if out.finished:
             self._groups.pop(group.request_id, None)
             for s in group.seqs:
                 if s.req.lora_id is not None and self._seq_of.get(s.req.request_id) is s:
                     self.runner.lora.unpin(s.req.lora_id)
                 self._seq_of.pop(s.req.request_id, None)
                 self._group_of.pop(s.req.request_id, None)
-        first_seq = group.seqs[0]
-        prompt_lps = first_seq.prompt_logprobs
-        if prompt_lps is not None and first_seq.prompt_scored < len(prompt_lps) - 1:
-            prompt_lps = None  # still being computed (an abort mid-prefill ends here too)
-        if deltas_only:
-            if group.prompt_logprobs_sent:
-                prompt_lps = None  # sent once, the first time complete
-            elif prompt_lps is not None:
-                group.prompt_logprobs_sent = True
-            return RequestOutput(group.request_id, None, None, outputs, done, metrics.num_cached_tokens, metrics,
-                                 prompt_logprobs=prompt_lps, num_cache_write_tokens=metrics.num_cache_write_tokens)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, done,
-                             metrics.num_cached_tokens, metrics, prompt_logprobs=prompt_lps,
-                             num_cache_write_tokens=metrics.num_cache_write_tokens)
+        return out
 
     # -- observability ----------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

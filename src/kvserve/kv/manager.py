@@ -41,6 +41,7 @@ from kvserve.core.step import BlockCopy, BlockOffload, BlockRestore
 from kvserve.kv.block_pool import UNSET, Block, BlockPool
 from kvserve.kv.events import KVEventSink
 from kvserve.kv.hashing import extend_block_hashes, root_hash
+from kvserve.kv.integrity import check_integrity
 from kvserve.kv.pins import Pin, PinTable
 from kvserve.kv.release import SLIDING_WINDOW, blocks_to_release, release_reason
 
@@ -561,51 +562,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if block accounting is inconsistent (tests call this every step)."""
-        pool = self.pool
-        owners: dict[int, int] = {}
-        for rid, blocks in self.req_blocks.items():
-            ids = [b.block_id for b in blocks]
-            assert len(ids) == len(set(ids)), f"request {rid} holds a block twice: {ids}"
-            known = self._block_ids.get(rid, [])
-            assert ids[:len(known)] == known, f"request {rid}: block ids {known} noted, holds {ids}"
-            for b in blocks:
-                owners[b.block_id] = owners.get(b.block_id, 0) + 1
-        for bid, n in self.pins.owners().items():
-            owners[bid] = owners.get(bid, 0) + n
-            assert pool.blocks[bid].block_hash is not None, f"pinned block {bid} holds no full cached block"
-        stale = set(self._block_ids) - set(self.req_blocks)
-        assert not stale, f"block ids kept for requests holding no blocks: {sorted(stale)}"
-        num_cached = 0
-        for b in pool.blocks:
-            assert b.ref_cnt >= 0, f"block {b.block_id} has negative ref_cnt {b.ref_cnt}"
-            assert b.ref_cnt == owners.get(b.block_id, 0), (
-                f"block {b.block_id}: ref_cnt {b.ref_cnt} but {owners.get(b.block_id, 0)} owners")
-            in_queue = b.block_id in pool.free_queue
-            assert in_queue == (b.ref_cnt == 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}, in free queue {in_queue}"
-            if b.ref_cnt > 1:
-                assert b.block_hash is not None, f"block {b.block_id} shared by {b.ref_cnt} but not an immutable full block"
-            if b.ref_cnt == 0 and b.has_content:
-                num_cached += 1
-            if b.block_hash is not None:
-                assert pool.cached.get(b.block_hash) is b, f"block {b.block_id} hash not indexed"
-                assert len(b.token_ids) == self.block_size
-            if b.has_content:
-                assert pool.children.get(b.parent_hash, {}).get(b.block_id) is b
-        assert num_cached == pool.num_cached_free, f"cached count {pool.num_cached_free} != {num_cached}"
-        for h, b in pool.cached.items():
-            assert b.block_hash == h
-        used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
-        filled = sum(b.num_filled for b in pool.blocks if b.ref_cnt > 0)
-        assert pool.num_filled_used == filled, f"filled slots counted {pool.num_filled_used}, held {filled}"
-        if pool.retained:
-            order = pool.free_queue.ordered()
-            assert len(order) == pool.num_free_blocks, "eviction order lists every free block once"
-            now = pool.clock()
-            keys = [(-2, 0.0) if not b.has_content else (-1 if b.expires <= now else b.priority, b.last_used)
-                    for b in order]
-            assert keys == sorted(keys), f"eviction order not by (expired, priority, last use): {keys}"
-        free = pool.num_free_blocks - num_cached
-        assert free + used + num_cached == pool.num_blocks, (free, used, num_cached, pool.num_blocks)
+        check_integrity(self)
 
 
 class KVUsage(NamedTuple):

@@ -229,11 +229,7 @@ def build_app(llm: AsyncLLM, config: ServingConfig, metrics: ServerMetrics, auth
     async def tenant(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
         if not auth.enabled:
             return None
-        key = auth.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
-        if key is None:
-            raise APIError("Missing or invalid API key: send `Authorization: Bearer <key>` with a key given to "
-                           "--api-key or --api-keys-file", status=401, type="authentication_error",
-                           code="invalid_api_key")
+        key = auth.require(credentials.credentials if credentials else None)
         return key.tenant
 
     @app.exception_handler(APIError)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvserve.config import ConfigError
 from kvserve.core.cache_retention import CacheRetention, CacheRetentionError, parse_cache_retention
+from kvserve.server.protocol import APIError
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,15 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
+
+    def require(self, token: str | None) -> ApiKey:
+        """The key for a bearer token, or the 401 that says how to send one."""
+        key = self.authenticate(f"Bearer {token}" if token else None)
+        if key is None:
+            raise APIError("Missing or invalid API key: send `Authorization: Bearer <key>` with a key given to "
+                           "--api-key or --api-keys-file", status=401, type="authentication_error",
+                           code="invalid_api_key")
+        return key
 
     def authenticate(self, authorization: str | None) -> ApiKey | None:
         """The key for an `Authorization: Bearer KEY` header, or None when it matches none."""

@@ -42,11 +42,7 @@ def add_pin_routes(app: FastAPI, llm, serving, auth: Authenticator) -> None:
         """The caller's tenant, for an admin key (or anyone, without keys)."""
         if not auth.enabled:
             return None
-        key = auth.authenticate(f"Bearer {credentials.credentials}" if credentials else None)
-        if key is None:
-            raise APIError("Missing or invalid API key: send `Authorization: Bearer <key>` with a key given to "
-                           "--api-key or --api-keys-file", status=401, type="authentication_error",
-                           code="invalid_api_key")
+        key = auth.require(credentials.credentials if credentials else None)
         if not key.admin:
             raise APIError(f"pinning needs an admin key: this key (tenant {key.tenant!r}) has none; give its entry "
                            f"\"admin\": true in --api-keys-file, or use an --api-key key", status=403,
