@@ -59,6 +59,7 @@ def ray_cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_ray_tp2_greedy_equals_tp1_through_prefix_hits_chunks_and_preemption(tiny, ray_cluster):
     """Rank 1 a Ray actor dialled back over TCP, the gloo group at rank 0's node address: the
     same tokens, prefix hits and preemptions as one process."""
@@ -68,13 +69,19 @@ def test_ray_tp2_greedy_equals_tp1_through_prefix_hits_chunks_and_preemption(tin
     assert ray_counters == counters
 
 
-def test_a_killed_actor_fails_the_step_naming_the_rank(tiny, ray_cluster):
+@pytest.mark.slow
+def test_a_killed_actor_fails_the_step_naming_the_rank(tiny, ray_cluster, monkeypatch):
+    """The actor, on rank 0's node, is bound to rank 1's share of the CPUs as a spawned rank is;
+    killed, the next step fails within the bound, naming rank 1 and its actor."""
     from kvserve.errors import TensorParallelError
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    cpus = sorted(os.sched_getaffinity(0))
     llm = LLM(tiny, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
               kv_cache_memory=4 << 20)
     try:
         rank = llm.engine.runner._ranks[0]
         assert rank.proc.backend == "ray" and rank.proc.pid != os.getpid()
+        assert sorted(psutil.Process(rank.proc.pid).cpu_affinity()) == cpus[len(cpus) // 2:2 * (len(cpus) // 2)]
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
         os.kill(rank.proc.pid, signal.SIGKILL)

@@ -244,7 +244,9 @@ class EngineArgs:
                                         "share of the cores (docs/tensor-parallel.md)", "Parallel")
     distributed_executor_backend: str = _arg(
         "mp", "Backend to use for distributed model workers, either \"ray\" or \"mp\" (multiprocessing); "
-              "kvserve: mp starts the ranks as local processes (uni: the same at --tensor-parallel-size 1)",
+              "kvserve: mp starts the ranks as local processes (uni: the same at --tensor-parallel-size 1); ray "
+              "places ranks 1..N-1 as actors on the running Ray cluster (RAY_ADDRESS, else the one `ray start` "
+              "made here)",
         "Parallel", ("mp", "uni", "ray"))
     # Kernels
     attention_backend: str = _arg("auto", "attention kernels: torch (the CPU kernels, SDPA elsewhere) or "
