@@ -82,6 +82,7 @@ def test_a_killed_actor_fails_the_step_naming_the_rank(tiny, ray_cluster, monkey
         rank = llm.engine.runner._ranks[0]
         assert rank.proc.backend == "ray" and rank.proc.pid != os.getpid()
         assert sorted(psutil.Process(rank.proc.pid).cpu_affinity()) == cpus[len(cpus) // 2:2 * (len(cpus) // 2)]
+        assert psutil.Process(rank.proc.pid).nice() == os.getpriority(os.PRIO_PROCESS, 0)  # not Ray's 15
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
         os.kill(rank.proc.pid, signal.SIGKILL)

@@ -154,8 +154,10 @@ def start_actors(args, world: int, cpus, port: int, rank0_ip: str, budget, dtype
     try:
         for r in range(1, world):
             num_cpus = len(cpus[r]) if cpus[r] else 1
-            actor = remote.options(num_cpus=num_cpus, max_restarts=0,
-                                   name=f"kvserve-tp-rank{r}-{os.getpid()}").remote()
+            # Ray runs its workers at niceness 15: a rank below its peers' priority waits for them at
+            # every all-reduce on a busy machine (half the decode tok/s on 2 cores: bench/NOTES.md).
+            actor = remote.options(num_cpus=num_cpus, max_restarts=0, name=f"kvserve-tp-rank{r}-{os.getpid()}",
+                                   runtime_env={"env_vars": {"RAY_worker_niceness": "0"}}).remote()
             proc = RayProc(ray, actor, r)
             procs[r] = proc
             proc.done = actor.run.remote(listener.address, authkey, ray.get_runtime_context().get_node_id(), args, r, world, rank0_ip, port, cpus[r],
