@@ -1,6 +1,10 @@
 """Tensor parallelism on this machine: TP=1 against TP=2 (one core per rank) at the embedded model's size.
 
-    python bench/tensor_parallel.py [--out bench/results/tensor_parallel.json] [--decode-batch 8]
+    python bench/tensor_parallel.py [--out bench/results/tensor_parallel.json] [--decode-batch 8] [--backend mp|ray|both]
+
+--backend ray (or both) runs the TP=2 row with rank 1 a Ray actor: it needs a running cluster whose
+workers import this checkout, e.g. `PYTHONPATH=src ray start --head --port 6390 --node-ip-address
+127.0.0.1 --num-cpus 2 --include-dashboard=false --disable-usage-stats` and RAY_ADDRESS=127.0.0.1:6390.
 
 The embedded SmolLM2-135M has 9 query / 3 KV heads, which do not split in two, so the model is a
 random bf16 checkpoint of its shapes with 8 query / 2 KV heads of 64 (bench/random_checkpoint.py;
@@ -10,8 +14,9 @@ from), and TP=2. Columns:
 prefill tok/s (4 prompts of 512 tokens, one output token), decode tok/s (a batch of
 --decode-batch, 64-token prompts, 128 tokens out, prefill excluded), and for TP=2 the time rank 0
 spent in all-reduces per decode step and per call (two per layer). Then the step dispatch: a
-pickled SchedulerOutput of the decode batch sent to rank 1 over a pipe against
-torch.distributed's broadcast_object_list, per step. Prints a table, writes JSON.
+pickled SchedulerOutput of the decode batch sent to rank 1 over a pipe, over a TCP
+multiprocessing.connection (what a Ray actor is sent on), and by torch.distributed's
+broadcast_object_list, per step. Prints a table, writes JSON.
 """
 from __future__ import annotations
 
@@ -99,15 +104,21 @@ def measure(model: str, label: str, tp: int, decode_batch: int, **kw) -> dict:
         torch.set_num_threads(threads)
 
 
-def _dispatch_rank1(port: int, conn, iters: int) -> None:
+def _dispatch_rank1(port: int, conn, address, authkey: bytes, iters: int) -> None:
+    from multiprocessing.connection import Client
+
     import torch
     import torch.distributed as dist
     os.sched_setaffinity(0, [1 % os.cpu_count()])
     torch.set_num_threads(1)
+    tcp = Client(address, authkey=authkey)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
     token = torch.zeros(1)
     for _ in range(iters):  # pipe
         pickle.loads(conn.recv_bytes())
+        dist.all_reduce(token)
+    for _ in range(iters):  # TCP connection
+        pickle.loads(tcp.recv_bytes())
         dist.all_reduce(token)
     for _ in range(iters):  # broadcast_object_list
         box = [None]
@@ -134,11 +145,15 @@ def measure_dispatch(decode_batch: int, iters: int = 300) -> dict:
             for i in range(decode_batch)]
     out = SchedulerOutput([ScheduledRequest(r, DECODE_PROMPT + 63, 1, list(range(9)), True) for r in reqs])
     size = len(pickle.dumps(("execute", (out,)), protocol=pickle.HIGHEST_PROTOCOL))
+    from multiprocessing.connection import Listener
     port = free_port()
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_dispatch_rank1, args=(port, theirs, iters), daemon=True)
+    authkey = os.urandom(16)
+    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    proc = ctx.Process(target=_dispatch_rank1, args=(port, theirs, listener.address, authkey, iters), daemon=True)
     proc.start()
+    tcp = listener.accept()
     os.sched_setaffinity(0, [0])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
@@ -151,6 +166,11 @@ def measure_dispatch(decode_batch: int, iters: int = 300) -> dict:
     times["pipe"] = time.perf_counter() - t
     t = time.perf_counter()
     for _ in range(iters):
+        tcp.send_bytes(pickle.dumps(("execute", (out,)), protocol=pickle.HIGHEST_PROTOCOL))
+        dist.all_reduce(token)
+    times["tcp"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(iters):
         dist.broadcast_object_list([("execute", (out,))], src=0)
         dist.all_reduce(token)
     times["broadcast"] = time.perf_counter() - t
@@ -160,8 +180,11 @@ def measure_dispatch(decode_batch: int, iters: int = 300) -> dict:
     times["base"] = time.perf_counter() - t
     dist.destroy_process_group()
     proc.join(30)
+    tcp.close()
+    listener.close()
     base = times["base"] / iters
     return {"pickled_bytes": size, "pipe_us_per_step": round(1e6 * (times["pipe"] / iters - base), 1),
+            "tcp_connection_us_per_step": round(1e6 * (times["tcp"] / iters - base), 1),
             "broadcast_object_list_us_per_step": round(1e6 * (times["broadcast"] / iters - base), 1),
             "tiny_all_reduce_us": round(1e6 * base, 1)}
 
@@ -172,6 +195,8 @@ def main() -> None:
                                                   "tensor_parallel.json"))
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--model-dir", default="/tmp/kvserve-bench-tp-checkpoint")
+    ap.add_argument("--backend", choices=("mp", "ray", "both"), default="mp",
+                    help="--distributed-executor-backend of the TP=2 row (ray: a cluster must be running)")
     args = ap.parse_args()
     affinity = sorted(os.sched_getaffinity(0))
     dispatch = measure_dispatch(args.decode_batch)
@@ -180,7 +205,8 @@ def main() -> None:
     rows = [measure(model, "TP=1, one core", 1, args.decode_batch),
             measure(model, "TP=1, one core, Python loop", 1, args.decode_batch),
             measure(model, "TP=1, two cores", 1, args.decode_batch),
-            measure(model, "TP=2, one core per rank", 2, args.decode_batch)]
+            *[measure(model, f"TP=2, one core per rank, {b}", 2, args.decode_batch, distributed_executor_backend=b)
+              for b in (("mp", "ray") if args.backend == "both" else (args.backend,))]]
     print(f"{'configuration':44} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
           f"{'all-reduce ms/step':>18} {'us/call':>8} {'share':>6}")
     for r in rows:
@@ -188,10 +214,11 @@ def main() -> None:
               f"{r.get('all_reduce_ms_per_step', float('nan')):18.2f} {r.get('all_reduce_us_per_call', float('nan')):8.1f} "
               f"{r.get('all_reduce_share', float('nan')):6.3f}")
     print(f"step dispatch ({dispatch['pickled_bytes']} pickled bytes, decode batch {args.decode_batch}): pipe "
-          f"{dispatch['pipe_us_per_step']} us, broadcast_object_list {dispatch['broadcast_object_list_us_per_step']} us "
+          f"{dispatch['pipe_us_per_step']} us, TCP connection {dispatch['tcp_connection_us_per_step']} us, "
+          f"broadcast_object_list {dispatch['broadcast_object_list_us_per_step']} us "
           f"per step (a 1-element all-reduce alone: {dispatch['tiny_all_reduce_us']} us)")
     result = {"machine": platform.processor() or platform.machine(), "cpus": affinity,
-              "decode_batch": args.decode_batch, "rows": rows, "dispatch": dispatch}
+              "decode_batch": args.decode_batch, "backend": args.backend, "rows": rows, "dispatch": dispatch}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -37,6 +37,9 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 
 from kvserve.vllm_compat import VLLM_NOOP, VLLM_NOOP_OFFLINE, VLLM_NOOP_VALUE, VLLM_REFUSED  # noqa: F401 (cli.py)
 
+NO_RAY = ("--distributed-executor-backend ray needs the ray package, which is not installed: "
+          "pip install 'kvserve[ray]' (on every node of the cluster), or use --distributed-executor-backend mp")
+
 
 def accepted_values(name: str) -> tuple[str, ...]:
     """The values a VLLM_REFUSED argument is accepted with (as strings)."""
@@ -241,7 +244,9 @@ class EngineArgs:
                                         "share of the cores (docs/tensor-parallel.md)", "Parallel")
     distributed_executor_backend: str = _arg(
         "mp", "Backend to use for distributed model workers, either \"ray\" or \"mp\" (multiprocessing); "
-              "kvserve: mp starts the ranks as local processes (uni: the same at --tensor-parallel-size 1)",
+              "kvserve: mp starts the ranks as local processes (uni: the same at --tensor-parallel-size 1); ray "
+              "places ranks 1..N-1 as actors on the running Ray cluster (RAY_ADDRESS, else the one `ray start` "
+              "made here)",
         "Parallel", ("mp", "uni", "ray"))
     # Kernels
     attention_backend: str = _arg("auto", "attention kernels: torch (the CPU kernels, SDPA elsewhere) or "
@@ -364,10 +369,7 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         if tp < 1:
             raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tp})")
-        if self.distributed_executor_backend == "ray":
-            raise ConfigError("--distributed-executor-backend ray is not implemented: kvserve's ranks run as local "
-                              "processes; use --distributed-executor-backend mp (the default)")
-        if self.distributed_executor_backend not in ("mp", "uni"):
+        if self.distributed_executor_backend not in ("mp", "uni", "ray"):
             raise ConfigError(f"--distributed-executor-backend must be mp, uni or ray "
                               f"(got {self.distributed_executor_backend!r})")
         if tp == 1:
@@ -375,6 +377,10 @@ class EngineArgs:
         if self.distributed_executor_backend == "uni":
             raise ConfigError(f"--distributed-executor-backend uni runs one process, but --tensor-parallel-size {tp} "
                               f"needs one per rank; use --distributed-executor-backend mp")
+        if self.distributed_executor_backend == "ray":
+            import importlib.util
+            if importlib.util.find_spec("ray") is None:
+                raise ConfigError(NO_RAY)
         refused = [(self.data_parallel_size > 1, f"--data-parallel-size {self.data_parallel_size}"),
                    (self.has_kv_tiers and self.kv_cache_dtype != "auto",
                     f"--kv-cache-dtype {self.kv_cache_dtype} with the KV offload tiers (--swap-space / "

@@ -1,5 +1,5 @@
 """Tensor parallelism's executor: rank 0 runs in the engine's own process and drives ranks 1..N-1,
-each a process of its own (engine/tp_worker.py).
+each a process of its own (engine/tp_worker.py), spawned here or placed by Ray (engine/tp_ray.py).
 
 Why rank 0 here, as vLLM's uniprocess driver: the sampled tokens come out of rank 0's runner in
 the process that schedules, with no reply to wait for per step, and one process fewer shares the
@@ -52,6 +52,9 @@ class _Rank:
     conn: object  # its end of the pipe
 
     def exit_reason(self, wait_s: float = 0.0) -> str | None:
+        if getattr(self.proc, "backend", "mp") == "ray":
+            how = self.proc.how_ended(wait_s)
+            return None if how is None else f"tensor-parallel rank {self.rank} ({self.proc.where}) {how}"
         self.proc.join(wait_s)
         code = self.proc.exitcode
         if code is None:
@@ -78,17 +81,26 @@ def start(args: EngineArgs, loaded, budget, dtype: torch.dtype, device: torch.de
     tp = args.tensor_parallel_size
     cpus = rank_cpus(args, device)
     timeout_s = envs.KVSERVE_TP_TIMEOUT_S
-    port = free_port()
+    ray = args.distributed_executor_backend == "ray"
+    host = "127.0.0.1"
+    if ray:
+        from kvserve.engine import tp_ray
+        host = tp_ray.node_ip()  # connects to the cluster, or a ConfigError naming the fix
+    port = free_port(host)
     ctx = mp.get_context("spawn")
     ranks: list[_Rank] = []
     saved = (os.sched_getaffinity(0), torch.get_num_threads())
     runner = None
+    log_level = logging.getLogger().getEffectiveLevel()
     try:
-        for r in range(1, tp):
+        if ray:
+            ranks = [_Rank(r, proc, conn) for r, proc, conn in tp_ray.start_actors(
+                args, tp, cpus, port, host, budget, dtype, device, kv_scales, timeout_s, log_level, START_TIMEOUT_S)]
+        for r in range(1, tp) if not ray else ():
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=tp_worker.main, name=f"kvserve-tp-rank{r}", daemon=True,
                             args=(args, r, tp, port, cpus[r], budget, dtype, device, kv_scales, theirs, timeout_s,
-                                  logging.getLogger().getEffectiveLevel()))
+                                  log_level))
             p.start()
             theirs.close()
             ranks.append(_Rank(r, p, mine))
@@ -99,18 +111,21 @@ def start(args: EngineArgs, loaded, budget, dtype: torch.dtype, device: torch.de
             torch.cuda.set_device(0)
         runner = make_runner(args, loaded.config, loaded.weights, None, budget, dtype, device, kv_scales, 0)
         _await(ranks, "built", START_TIMEOUT_S)
-        init_group(0, tp, port, device, timeout_s)
+        init_group(0, tp, port, device, timeout_s, host)
         runner.model.all_reduce = AllReduce()
         _await(ranks, "ready", timeout_s)
     except BaseException:
         _stop(ranks)
         destroy_group()
         _restore(saved)
+        if ray:
+            tp_ray.disconnect()
         raise
-    logger.info("tensor parallelism: %d ranks (rank 0 in process %d%s; %s), %s all-reduce, step timeout %.0f s",
+    logger.info("tensor parallelism: %d ranks (rank 0 in process %d%s; %s), %s all-reduce at %s, step timeout %.0f s",
                 tp, os.getpid(), f" on CPUs {cpus[0]}" if cpus[0] else "",
-                ", ".join(f"rank {k.rank} in process {k.proc.pid}" + (f" on CPUs {cpus[k.rank]}" if cpus[k.rank] else "")
-                          for k in ranks), "NCCL" if device.type == "cuda" else "gloo", timeout_s)
+                ", ".join(f"rank {k.rank} in " + (k.proc.where if ray else f"process {k.proc.pid}")
+                          + (f" on CPUs {cpus[k.rank]}" if cpus[k.rank] else "")
+                          for k in ranks), "NCCL" if device.type == "cuda" else "gloo", host, timeout_s)
     return TensorParallelRunner(runner, ranks, saved)
 
 
@@ -142,7 +157,7 @@ def _stop(ranks: list[_Rank]) -> None:
     for k in ranks:
         k.proc.join(STOP_TIMEOUT_S)
         if k.proc.is_alive():
-            k.proc.terminate()
+            k.proc.terminate()  # a Ray actor: ray.kill
             k.proc.join(STOP_TIMEOUT_S)
         if k.proc.is_alive():
             k.proc.kill()
@@ -266,6 +281,9 @@ class TensorParallelRunner:
         destroy_group()
         _restore(self._saved)
         self._saved = None
+        if any(getattr(k.proc, "backend", "mp") == "ray" for k in self._ranks):
+            from kvserve.engine import tp_ray
+            tp_ray.disconnect()
 
 
 class RankedKVCache:

@@ -1,7 +1,7 @@
 """A tensor-parallel rank above 0: a process holding its share of the model and the KV pool of its
 heads, running each step it is sent (engine/tp_executor.py) in lockstep with rank 0.
 
-Messages arrive pickled on a pipe from rank 0, one per step, never one per layer; the only
+Messages arrive pickled on a pipe (or, as a Ray actor, a socket connection with a pipe's API) from rank 0, one per step, never one per layer; the only
 traffic inside a step is the group's all-reduces. Replies: "built" once the runner exists,
 "ready" once the group is joined, "error" (then the process exits, which fails the others'
 collective at once instead of at the timeout). The process ends on "stop", or when rank 0's end
@@ -17,16 +17,19 @@ logger = logging.getLogger(__name__)
 
 
 def main(args, rank: int, world: int, port: int, cpus: list[int] | None, budget, dtype, device, kv_scales,
-         conn, timeout_s: float, log_level: int) -> None:
-    # The engine owns shutdown (Ctrl-C reaches the whole process group); the engine core process
-    # ignores SIGTERM, and an ignored signal stays ignored across exec: restore it, so that
-    # terminate() ends this process.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+         conn, timeout_s: float, log_level: int, host: str = "127.0.0.1", own_process: bool = True) -> None:
+    """`own_process` False: a Ray actor (engine/tp_ray.py), whose signals and logging are Ray's."""
+    if own_process:
+        # The engine owns shutdown (Ctrl-C reaches the whole process group); the engine core process
+        # ignores SIGTERM, and an ignored signal stays ignored across exec: restore it, so that
+        # terminate() ends this process.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if cpus:
         os.sched_setaffinity(0, cpus)
         os.environ["OMP_NUM_THREADS"] = str(len(cpus))
-    logging.basicConfig(level=log_level)
+    if own_process:
+        logging.basicConfig(level=log_level)
     try:
         import torch
 
@@ -42,7 +45,7 @@ def main(args, rank: int, world: int, port: int, cpus: list[int] | None, budget,
                              torch.device(device.type, rank) if device.type == "cuda" else device, kv_scales, rank)
         del loaded
         conn.send(("built", os.getpid()))
-        init_group(rank, world, port, device, timeout_s)
+        init_group(rank, world, port, device, timeout_s, host)
         runner.model.all_reduce = AllReduce()
         conn.send(("ready", os.getpid()))
     except BaseException as e:

@@ -11,10 +11,10 @@ import torch
 from kvserve.errors import TensorParallelError  # noqa: F401 (raised by engine/tp_executor.py)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now, for the group's rendezvous."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` nothing listens on now, for the group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -22,11 +22,12 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> None:
-    """Join the group (rank 0's process included). Every collective then waits at most timeout_s:
-    a rank that died or hangs fails the others' step instead of blocking them."""
+def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float,
+               host: str = "127.0.0.1") -> None:
+    """Join the group (rank 0's process included) at rank 0's `host`:`port`. Every collective then
+    waits at most timeout_s: a rank that died or hangs fails the others' step instead of blocking them."""
     import torch.distributed as dist
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend_for(device), init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
