@@ -49,6 +49,15 @@ def clamp(body):
     return body
 
 
+def unpin_all(url: str) -> None:
+    """The fuzzer pins prefixes (POST /v1/cache/pins is open without API keys): unpin them, or
+    the shared server's pool keeps them held for the tests that come after."""
+    pins = httpx.get(f"{url}/v1/cache/pins", timeout=30).json()["data"]
+    for pin in pins:
+        assert httpx.delete(f"{url}/v1/cache/pins/{pin['id']}", timeout=30).status_code == 200
+    assert httpx.get(f"{url}/v1/cache/pins", timeout=30).json()["data"] == []
+
+
 def test_openapi_schema_is_served(server):
     spec = httpx.get(f"{server.url}/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"):
@@ -97,6 +106,7 @@ def test_fuzz_finds_no_server_errors(server):
             run()
         except Unsatisfiable:  # nothing schema-violating to generate (e.g. GET /health has no inputs)
             pass
+    unpin_all(server.url)
     print("statuses:", dict(sorted(statuses.items())), "operations:", sorted(covered))
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize"} <= covered
     assert not failures, "\n".join(failures[:10])
