@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import ConfigError
-from kvserve.engine.cpu_bind import cpu_sets, parse_cpu_list
+from kvserve.engine.cpu_bind import cpu_sets, numa_nodes, parse_cpu_list
 from kvserve.engine.outputs import EngineStats, sum_stats
 from kvserve.kv.events import MEDIUM_DEVICE, MEDIUM_HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv.hashing import extend_block_hashes, root_hash
@@ -130,6 +130,27 @@ def test_cpu_sets_split_bind_and_refuse():
         cpu_sets(2, "0|5", [0, 1])
     with pytest.raises(ConfigError, match="not a CPU number"):
         cpu_sets(2, "0|x", [0, 1])
+
+
+def test_auto_keeps_each_process_in_one_numa_node(tmp_path):
+    two = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cpu_sets(2, "auto", list(range(8)), nodes=two) == two
+    assert cpu_sets(4, "auto", list(range(8)), nodes=two) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # Interleaved numbering, as on many two-socket machines: still one node per process.
+    assert cpu_sets(2, "auto", list(range(8)), nodes=[[0, 2, 4, 6], [1, 3, 5, 7]]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # Fewer processes than nodes: one node each. Three over two nodes do not divide: an even split.
+    assert cpu_sets(1, "auto", list(range(8)), nodes=two) == [[0, 1, 2, 3]]
+    assert cpu_sets(3, "auto", list(range(8)), nodes=two) == [[0, 1], [2, 3], [4, 5]]
+    # Only the CPUs this process may use count; a node it may not use is no node.
+    assert cpu_sets(2, "auto", [0, 1, 2, 3], nodes=two) == [[0, 1], [2, 3]]
+    assert cpu_sets(2, "auto", [2, 3, 4, 5], nodes=two) == [[2, 3], [4, 5]]
+    # sysfs as the kernel lays it out.
+    for i, cl in enumerate(("0-3", "4-7")):
+        (tmp_path / f"node{i}").mkdir()
+        (tmp_path / f"node{i}" / "cpulist").write_text(cl + "\n")
+    (tmp_path / "possible").write_text("0-1\n")
+    assert numa_nodes(str(tmp_path)) == two
+    assert numa_nodes(str(tmp_path / "missing")) == []
 
 
 def test_summed_stats_are_one_engines_view():

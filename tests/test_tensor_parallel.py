@@ -304,9 +304,6 @@ def test_bad_settings_are_start_up_errors_naming_the_flag(tiny, monkeypatch):
     with pytest.raises(ConfigError, match=r"--kv-transfer-config is not implemented with --tensor-parallel-size 2"):
         EngineArgs(model=tiny, tensor_parallel_size=2, kv_transfer_config={"kv_connector": "RedisConnector",
                    "kv_role": "kv_producer"}, kv_redis_url="redis://127.0.0.1:1/0").validate()
-    with pytest.raises(ConfigError, match=r"--kv-cache-dtype int8 with the KV offload tiers .* is not implemented with "
-                                          r"--tensor-parallel-size 2"):
-        EngineArgs(model=tiny, tensor_parallel_size=2, kv_cache_dtype="int8", swap_space=0.01).validate()
     with pytest.raises(ConfigError, match=r"--distributed-executor-backend uni runs one process"):
         EngineArgs(model=tiny, tensor_parallel_size=2, distributed_executor_backend="uni").validate()
     with pytest.raises(ConfigError, match=r"--tensor-parallel-size must be >= 1"):
@@ -345,3 +342,33 @@ def test_serve_tp2_and_a_rank_killed_mid_stream_fails_the_request_and_the_engine
         wait_until(lambda: "the engine cannot continue" in server.log(), timeout=10, what="the core's exit line")
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_through_swap_and_a_disk_restore_equals_tp1(tiny, tmp_path, kv_cache_dtype):
+    """Quantized blocks move through the tiers as every rank's codes and scales (and an open
+    block's full-precision residual, under swap): swap preemption, then a restart restoring the
+    prompts from disk, give TP=1's tokens, and the restart reads the blocks rather than recomputing."""
+    common = dict(dtype="float32", block_size=8, num_gpu_blocks_override=22, max_model_len=160,
+                  max_num_batched_tokens=48, check_integrity=True, preemption_mode="swap", swap_space=0.01,
+                  kv_cache_dtype=kv_cache_dtype, kv_disk_size="32MiB")
+
+    def run(tp: int, disk: str):
+        tokens, hits = [], []
+        for _ in range(2):  # the second engine starts on the first one's disk tier
+            llm = LLM(tiny, tensor_parallel_size=tp, kv_disk_path=disk, **common)
+            try:
+                got, _ = _workload(llm)
+                s = llm.engine.get_stats()
+                tokens.append(got)
+                hits.append((s.num_swapped_preemptions, s.tier_hits["host"], s.tier_hits["disk"]))
+            finally:
+                llm.engine.close()
+        return tokens, hits
+
+    want, want_hits = run(1, str(tmp_path / "tp1"))
+    got, got_hits = run(2, str(tmp_path / "tp2"))
+    assert want_hits[0][0] > 0 and want_hits[0][1] > 0 and want_hits[1][2] > 0, want_hits  # the paths were taken
+    assert got == want
+    assert got_hits == want_hits

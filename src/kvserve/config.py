@@ -382,9 +382,6 @@ class EngineArgs:
             if importlib.util.find_spec("ray") is None:
                 raise ConfigError(NO_RAY)
         refused = [(self.data_parallel_size > 1, f"--data-parallel-size {self.data_parallel_size}"),
-                   (self.has_kv_tiers and self.kv_cache_dtype != "auto",
-                    f"--kv-cache-dtype {self.kv_cache_dtype} with the KV offload tiers (--swap-space / "
-                    f"--cpu-offload-gb / --kv-disk-path / --kv-redis-url)"),
                    (self.kv_transfer_config is not None, "--kv-transfer-config"),
                    (self.quantization == "gguf", "--quantization gguf (a sharded model runs bf16 projections)")]
         for hit, what in refused:

@@ -72,8 +72,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "it on a thread of the API server's process (vLLM's variable)"),
     EnvVar("VLLM_CPU_OMP_THREADS_BIND", _str, lambda: "auto",
            "CPUs of each data-parallel engine core process, or of each tensor-parallel rank: auto (this "
-           "process's CPUs split evenly, one share per replica or rank), all (no binding), or vLLM's explicit "
-           "lists per rank, e.g. \"0-7|8-15\""),
+           "process's CPUs split evenly, one share per replica or rank, each inside one NUMA node where they "
+           "span several), all (no binding), or vLLM's explicit lists per rank, e.g. \"0-7|8-15\""),
     EnvVar("KVSERVE_TP_TIMEOUT_S", _float, lambda: 60.0,
            "seconds a tensor-parallel collective or rank reply may wait before the group is declared failed "
            "(a rank that dies is noticed at once; this bounds one that hangs)"),

@@ -1,7 +1,9 @@
-"""Which CPUs each data-parallel engine core process runs on (vLLM's VLLM_CPU_OMP_THREADS_BIND).
+"""Which CPUs each data-parallel replica or tensor-parallel rank runs on (vLLM's VLLM_CPU_OMP_THREADS_BIND).
 
-Each replica gets CPUs of its own and an OpenMP team of that size: two teams spinning on the
-same cores would each wait on the other's barriers (bench/NOTES.md measures what that costs)."""
+Each gets CPUs of its own and an OpenMP team of that size: two teams spinning on the same cores
+would each wait on the other's barriers (bench/NOTES.md measures what that costs). On a machine
+with several NUMA nodes, `auto` keeps each process inside one node: the weights and KV it loads
+after binding are first touched there, so its memory reads stay local."""
 from __future__ import annotations
 
 import os
@@ -21,11 +23,43 @@ def parse_cpu_list(text: str) -> list[int]:
     return cpus
 
 
+def numa_nodes(root: str = "/sys/devices/system/node") -> list[list[int]]:
+    """Each NUMA node's CPUs, in node order ([] where the kernel does not say)."""
+    try:
+        names = sorted((n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit()),
+                       key=lambda n: int(n[4:]))
+        return [parse_cpu_list(open(os.path.join(root, n, "cpulist")).read().strip()) for n in names]
+    except (OSError, ConfigError):
+        return []
+
+
+def _auto(n: int, cpus: list[int], nodes: list[list[int]]) -> list[list[int]]:
+    """`auto`: where the allowed CPUs span several NUMA nodes and the processes divide among them
+    (or are fewer), each process stays in one node; otherwise an even split of the CPUs."""
+    allowed = set(cpus)
+    local = [sorted(allowed & set(node)) for node in nodes]
+    local = [node for node in local if node]
+    if len(local) > 1 and (n <= len(local) or n % len(local) == 0):
+        per_node = max(1, n // len(local))
+        out = []
+        for r in range(n):
+            node = local[r // per_node]
+            share = len(node) // per_node
+            if share == 0:
+                break  # a node with fewer CPUs than the processes it would hold: split evenly instead
+            out.append(node[(r % per_node) * share:(r % per_node + 1) * share])
+        else:
+            return out
+    share = len(cpus) // n
+    return [cpus[r * share:(r + 1) * share] for r in range(n)]
+
+
 def cpu_sets(num_replicas: int, bind: str, available: list[int] | None = None,
-             flag: str = "--data-parallel-size") -> list[list[int] | None]:
+             flag: str = "--data-parallel-size", nodes: list[list[int]] | None = None) -> list[list[int] | None]:
     """One CPU list per replica (None: no binding), or per tensor-parallel rank (`flag` the one
     that set their number). Raises ConfigError when there are fewer CPUs than replicas, naming
-    both numbers; explicit lists may share CPUs (the user asked for it)."""
+    both numbers; explicit lists may share CPUs (the user asked for it). `nodes`: the NUMA
+    nodes' CPUs (read from sysfs when None)."""
     cpus = sorted(available if available is not None else os.sched_getaffinity(0))
     if bind == "all":
         if num_replicas > len(cpus):
@@ -34,8 +68,7 @@ def cpu_sets(num_replicas: int, bind: str, available: list[int] | None = None,
     if bind == "auto":
         if num_replicas > len(cpus):
             raise _too_many(num_replicas, len(cpus), flag)
-        share = len(cpus) // num_replicas
-        return [cpus[r * share:(r + 1) * share] for r in range(num_replicas)]
+        return _auto(num_replicas, cpus, numa_nodes() if nodes is None else nodes)
     lists = [parse_cpu_list(p) for p in bind.split("|")]
     if len(lists) != num_replicas:
         raise ConfigError(f"VLLM_CPU_OMP_THREADS_BIND gives {len(lists)} CPU lists ({bind!r}) for "

@@ -12,6 +12,7 @@ TensorParallelError; the group then refuses every later step (the engine core pr
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -23,7 +24,7 @@ import torch
 from kvserve import envs
 from kvserve.config import ConfigError, EngineArgs
 from kvserve.errors import TensorParallelError
-from kvserve.runner.distributed import AllReduce, destroy_group, free_port, init_group
+from kvserve.runner.distributed import AllReduce, destroy_group, free_port, from_wire, init_group, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class TensorParallelRunner:
         self._runner, self._ranks, self._saved = runner, ranks, saved
         self._failed: str | None = None
         self.tensor_parallel_size = len(ranks) + 1
+        self._ranked_kv: RankedKVCache | None = None
 
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
@@ -194,10 +196,19 @@ class TensorParallelRunner:
     @property
     def kv_cache(self) -> "RankedKVCache":
         """Every rank's blocks as one cache (what the offload tiers read and write)."""
-        return RankedKVCache(self)
+        if self._ranked_kv is None:
+            self._ranked_kv = RankedKVCache(self)
+        return self._ranked_kv
 
     def execute(self, out):
-        return self._call("execute", out)
+        # The step's tier moves ran before it, on rank 0, each rank writing its own heads: the
+        # other ranks need the forward's part only, not every rank's restored bytes.
+        wire = dataclasses.replace(out, kv_offloads=[], kv_restores=[]) if out.kv_offloads or out.kv_restores else out
+        self._send("execute", (wire,))
+        try:
+            return self._runner.execute(out)
+        except Exception as e:
+            raise self._fail(e) from e
 
     def warm_up(self, prompt_len: int) -> None:
         self._call("warm_up", prompt_len)
@@ -232,7 +243,7 @@ class TensorParallelRunner:
             msg = k.message(envs.KVSERVE_TP_TIMEOUT_S)
             if msg is None or msg[0] != "blocks":
                 raise self._fail(RuntimeError(f"rank {k.rank} sent no KV blocks"))
-            parts.append(msg[1])
+            parts.append(from_wire(msg[1]))
         return parts
 
     def scatter_blocks(self, ids: torch.Tensor, per_rank: list[list[torch.Tensor]]) -> None:
@@ -241,7 +252,7 @@ class TensorParallelRunner:
             raise TensorParallelError(self._failed)
         for k in self._ranks:
             try:
-                k.conn.send_bytes(pickle.dumps(("write_blocks", (ids, per_rank[k.rank])),
+                k.conn.send_bytes(pickle.dumps(("write_blocks", (ids, to_wire(per_rank[k.rank]))),
                                                protocol=pickle.HIGHEST_PROTOCOL))
             except (OSError, ValueError) as e:
                 raise self._fail(e) from e
@@ -289,21 +300,42 @@ class TensorParallelRunner:
 class RankedKVCache:
     """The KV blocks of every rank as one cache, for the offload tiers: a block read is each rank's
     fields in rank order (so a tier entry holds every rank's heads, under a fingerprint that names
-    the rank count), and a write hands each rank its own. Anything else is rank 0's cache's."""
+    the rank count), and a write hands each rank its own. Anything else is rank 0's cache's.
+
+    A quantized cache appends its open blocks' state (the full-precision residual) after the
+    stored fields when a read includes an open block, and the offloader looks for it at the end:
+    so every rank's sealed fields come first, then every rank's open state, each in rank order."""
 
     def __init__(self, runner: TensorParallelRunner) -> None:
         self._tp = runner
         self._own = runner._runner.kv_cache
+        self._open = len(getattr(self._own, "open_block_layout", ()))
+        # Tensors of one rank's read of sealed blocks: at start-up no block is open.
+        self._sealed = len(self._own.read_blocks(torch.tensor([0]))) if self._open else 0
 
     def __getattr__(self, name: str):
         return getattr(self._own, name)
 
+    @property
+    def open_block_layout(self) -> list:
+        return list(getattr(self._own, "open_block_layout", ())) * self._tp.tensor_parallel_size
+
     def read_blocks(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        return [t for part in self._tp.gather_blocks(ids) for t in part]
+        parts = self._tp.gather_blocks(ids)
+        s = self._sealed
+        if not self._open or len(parts[0]) == s:
+            return [t for part in parts for t in part]
+        return [t for part in parts for t in part[:s]] + [t for part in parts for t in part[s:]]
 
     def write_blocks(self, ids: torch.Tensor, fields: list[torch.Tensor]) -> None:
-        n = len(fields) // self._tp.tensor_parallel_size
-        self._tp.scatter_blocks(ids, [list(fields[r * n:(r + 1) * n]) for r in range(self._tp.tensor_parallel_size)])
+        tp, s, o = self._tp.tensor_parallel_size, self._sealed, self._open
+        if o and len(fields) == tp * (s + o):
+            sealed, open_state = fields[:tp * s], fields[tp * s:]
+            per_rank = [list(sealed[r * s:(r + 1) * s]) + list(open_state[r * o:(r + 1) * o]) for r in range(tp)]
+        else:
+            n = len(fields) // tp
+            per_rank = [list(fields[r * n:(r + 1) * n]) for r in range(tp)]
+        self._tp.scatter_blocks(ids, per_rank)
 
 
 class RankedLoRA:

@@ -62,7 +62,7 @@ def _loop(runner, conn, rank: int) -> None:
 
     import torch
 
-    from kvserve.runner.distributed import destroy_group
+    from kvserve.runner.distributed import destroy_group, from_wire, to_wire
     while True:
         try:
             name, payload = pickle.loads(conn.recv_bytes())
@@ -77,7 +77,7 @@ def _loop(runner, conn, rank: int) -> None:
                 runner.execute(*payload, sample=False)
             elif name == "read_blocks":  # the offload tiers: rank 0 stores every rank's heads
                 with torch.inference_mode():
-                    data = [t.cpu() for t in runner.kv_cache.read_blocks(*payload)]
+                    data = to_wire(runner.kv_cache.read_blocks(*payload))
                 conn.send_bytes(pickle.dumps(("blocks", data), protocol=pickle.HIGHEST_PROTOCOL))
             elif name == "lora_resolve":
                 runner.lora.resolve(*payload)
@@ -85,7 +85,8 @@ def _loop(runner, conn, rank: int) -> None:
                 runner.lora.unpin(*payload)
             elif name == "write_blocks":
                 with torch.inference_mode():
-                    runner.kv_cache.write_blocks(*payload)
+                    ids, wire = payload
+                    runner.kv_cache.write_blocks(ids, from_wire(wire))
             elif name == "stats":
                 reduce = runner.model.all_reduce
                 conn.send(("stats", (reduce.calls, reduce.seconds)))

@@ -53,3 +53,13 @@ class AllReduce:
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return t
+
+
+def to_wire(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, torch.Tensor]]:
+    """KV block tensors as bytes for the pipe to another rank: torch cannot unpickle a float8
+    tensor (its storage has no dtype), so each goes as uint8 beside its dtype."""
+    return [(t.dtype, t.detach().cpu().contiguous().view(torch.uint8)) for t in tensors]
+
+
+def from_wire(items: list[tuple[torch.dtype, torch.Tensor]]) -> list[torch.Tensor]:
+    return [raw.view(dtype) for dtype, raw in items]
