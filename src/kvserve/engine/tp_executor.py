@@ -201,6 +201,8 @@ class TensorParallelRunner:
         return self._ranked_kv
 
     def execute(self, out):
+        if self._failed:
+            raise TensorParallelError(self._failed)
         # The step's tier moves ran before it, on rank 0, each rank writing its own heads: the
         # other ranks need the forward's part only, not every rank's restored bytes.
         wire = dataclasses.replace(out, kv_offloads=[], kv_restores=[]) if out.kv_offloads or out.kv_restores else out
