@@ -78,3 +78,29 @@ def sched_run(sched, runner, reqs, max_steps: int = 2000) -> None:
             return
         sched_step(sched, runner)
     raise AssertionError("requests never finished")
+
+
+def sched_op(sched, runner, op: tuple, live: list[str], ids, max_len: int) -> bool:
+    """One operation of a hypothesis workload on a scheduler: ("add", prompt, max_tokens,
+    cache_retention), ("step",), ("abort", i) or ("preempt", i). False for any other operation
+    (the caller's own). `live` is the ids added so far; `ids` counts them."""
+    from kvserve.core.request import Request, RequestStatus
+    from kvserve.core.sampling_params import SamplingParams
+    if op[0] == "add":
+        _, prompt, max_tokens, ret = op
+        prompt = prompt[:max_len - 1]
+        rid = str(next(ids))
+        sched.add_request(Request(rid, prompt, SamplingParams(
+            max_tokens=min(max_tokens, max_len - len(prompt)), ignore_eos=True, cache_retention=ret)))
+        live.append(rid)
+    elif op[0] == "step":
+        sched_step(sched, runner)
+    elif op[0] == "abort":
+        if live:
+            sched.finish_request(live[op[1] % len(live)], RequestStatus.FINISHED_ABORTED)
+    elif op[0] == "preempt":
+        if live:
+            sched.preempt_request(live[op[1] % len(live)])
+    else:
+        return False
+    return True

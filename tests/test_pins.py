@@ -7,13 +7,13 @@ import itertools
 import random
 
 import pytest
-from helpers import greedy, sched_run, sched_step
+from helpers import greedy, sched_op, sched_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM
 from kvserve.config import SchedulerConfig
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.outputs import RequestError
 from kvserve.kv.manager import KVCacheManager
@@ -90,19 +90,8 @@ def test_pinned_blocks_are_never_evicted(ops, num_blocks, block_size, chunk, pol
     live: list[str] = []
     pinned: dict[str, list[tuple]] = {}  # pin id -> (block, hash, tokens)
     for op in ops:
-        if op[0] == "add":
-            _, prompt, max_tokens, ret = op
-            prompt = prompt[:max_len - 1]
-            rid = str(next(ids))
-            sched.add_request(Request(rid, prompt, SamplingParams(
-                max_tokens=min(max_tokens, max_len - len(prompt)), ignore_eos=True, cache_retention=ret)))
-            live.append(rid)
-        elif op[0] == "step":
-            sched_step(sched, runner)
-        elif op[0] == "abort" and live:
-            sched.finish_request(live[op[1] % len(live)], RequestStatus.FINISHED_ABORTED)
-        elif op[0] == "preempt" and live:
-            sched.preempt_request(live[op[1] % len(live)])
+        if sched_op(sched, runner, op, live, ids, max_len):
+            pass
         elif op[0] == "pin" and (kv.pins.num_blocks + len(op[1]) // block_size) * 2 < num_blocks:
             pid = f"p{next(ids)}"
             p = pin(sched, runner, pid, op[1])

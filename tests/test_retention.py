@@ -11,13 +11,13 @@ import itertools
 import math
 
 import pytest
-from helpers import sched_run, sched_step
+from helpers import sched_op, sched_run, sched_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.cache_retention import DEFAULT_PRIORITY, CacheRetention
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams, SamplingParamsError
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
@@ -275,21 +275,10 @@ def test_random_workloads_keep_integrity_and_eviction_order(ops, num_blocks, blo
     ids = itertools.count()
     live: list[str] = []
     for op in ops:
-        if op[0] == "add":
-            _, prompt, max_tokens, ret = op
-            prompt = prompt[:max_len - 1]
-            rid = str(next(ids))
-            sched.add_request(Request(rid, prompt, SamplingParams(
-                max_tokens=min(max_tokens, max_len - len(prompt)), ignore_eos=True, cache_retention=ret)))
-            live.append(rid)
-        elif op[0] == "step":
-            sched_step(sched, runner)
-        elif op[0] == "tick":
+        if op[0] == "tick":
             clock.t += op[1]
-        elif op[0] == "abort" and live:
-            sched.finish_request(live[op[1] % len(live)], RequestStatus.FINISHED_ABORTED)
-        elif op[0] == "preempt" and live:
-            sched.preempt_request(live[op[1] % len(live)])
+        else:
+            sched_op(sched, runner, op, live, ids, max_len)
         sched.kv.check_integrity()
         live = [r for r in live if r in sched.requests]
     for _ in range(2000):
