@@ -176,6 +176,7 @@ def test_replicas_that_cannot_fit_in_memory_stop_startup(monkeypatch):
     client = dp_client.DPClient.__new__(dp_client.DPClient)
     client.clients = [SimpleNamespace(proc=SimpleNamespace(pid=os.getpid()), info={"kv_cache_bytes": 20 * 2**30})]
     monkeypatch.setattr(dp_client, "host_memory", lambda field: 30 * 2**30)
-    client._check_memory(None, 2)  # one more replica of 20 GiB fits in 30 GiB
+    args = SimpleNamespace(tensor_parallel_size=1)
+    client._check_memory(args, 2)  # one more replica of 20 GiB fits in 30 GiB
     with pytest.raises(ConfigError, match=r"--data-parallel-size 3 needs about 60\.0 GiB.*lower --data-parallel-size"):
-        client._check_memory(None, 3)
+        client._check_memory(args, 3)

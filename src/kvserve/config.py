@@ -381,8 +381,7 @@ class EngineArgs:
             import importlib.util
             if importlib.util.find_spec("ray") is None:
                 raise ConfigError(NO_RAY)
-        refused = [(self.data_parallel_size > 1, f"--data-parallel-size {self.data_parallel_size}"),
-                   (self.kv_transfer_config is not None, "--kv-transfer-config"),
+        refused = [(self.kv_transfer_config is not None, "--kv-transfer-config"),
                    (self.quantization == "gguf", "--quantization gguf (a sharded model runs bf16 projections)")]
         for hit, what in refused:
             if hit:

@@ -154,5 +154,7 @@ def engine_info(engine) -> dict[str, Any]:
     return {"tokenizer": engine.tokenizer, "model_config": engine.model_config, "max_model_len": engine.max_model_len,
             "max_logprobs": engine.max_logprobs, "sampling_defaults": engine.sampling_defaults,
             "stats": engine.get_stats(), "kv_cache_bytes": engine.setup.budget.kv_cache_memory,
+            # the other tensor-parallel ranks' processes on this machine (their memory is the engine's too)
+            "rank_pids": getattr(engine.runner, "local_pids", lambda: [])(),
             # what decides a KV block's bytes: a decode server refuses a producer's KV by it
             "kv_fingerprint": engine.setup.fingerprint.hex if engine.setup.fingerprint is not None else None}

@@ -168,8 +168,9 @@ class MPClient:
     SHUTDOWN_GRACE_S = 90.0  # the core writes its cached blocks down to disk / Redis (60 s at most)
 
     def __init__(self, args, on_batch: OnBatch, on_dead: OnDead, rank: int = 0, cpus: list[int] | None = None,
-                 forward_kv_events: bool = False, wait: bool = True) -> None:
-        """`rank`, `cpus`, `forward_kv_events`: a data-parallel replica's (engine/dp_client.py);
+                 forward_kv_events: bool = False, wait: bool = True, env: dict[str, str] | None = None) -> None:
+        """`rank`, `cpus`, `forward_kv_events`, `env` (variables set for the process only, such as
+        its tensor-parallel ranks' CPU lists): a data-parallel replica's (engine/dp_client.py);
         `wait=False` returns once the process is started (then call wait_ready())."""
         self.on_batch, self.on_dead = on_batch, on_dead
         self.rank = rank
@@ -195,7 +196,7 @@ class MPClient:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.engine.core_proc"], stdin=subprocess.PIPE,
-                                     env=dict(os.environ, PYTHONPATH=path))
+                                     env=dict(os.environ, **(env or {}), PYTHONPATH=path))
         with self.proc.stdin as stdin:
             pickle.dump((args, in_addr, out_addr, root.getEffectiveLevel(), fmt, os.getpid(), rank, cpus,
                          forward_kv_events), stdin)

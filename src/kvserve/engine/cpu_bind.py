@@ -84,3 +84,53 @@ def _too_many(n: int, cpus: int, flag: str) -> ConfigError:
     return ConfigError(f"{flag} {n} needs at least one CPU per replica, but this process may use "
                        f"{cpus}; lower {flag} to at most {cpus} (or give VLLM_CPU_OMP_THREADS_BIND one CPU list "
                        f"per replica, e.g. \"0|1|0\", to share CPUs)")
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (parse_cpu_list's inverse)."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def replica_cpu_sets(dp: int, tp: int, bind: str, available: list[int] | None = None,
+                     nodes: list[list[int]] | None = None) -> list[tuple[list[int] | None, str | None]]:
+    """Data parallelism x tensor parallelism: per replica, the CPUs its engine core process is bound
+    to and the VLLM_CPU_OMP_THREADS_BIND its tensor-parallel executor reads (None: this one's).
+
+    vLLM's lists are one per local rank: with D replicas of T ranks there are D*T of them, replica
+    r's ranks taking lists r*T .. r*T+T-1. `auto` splits the CPUs into D*T shares the same way (so
+    where they span NUMA nodes a replica's ranks sit in consecutive shares, inside one node when
+    the counts divide). Each replica is handed its own T lists, which its executor checks against
+    the union it is bound to."""
+    if tp == 1:
+        return [(c, None) for c in cpu_sets(dp, bind, available, nodes=nodes)]
+    cpus = sorted(available if available is not None else os.sched_getaffinity(0))
+    n = dp * tp
+    flags = f"--data-parallel-size {dp} x --tensor-parallel-size {tp}"
+    if bind in ("auto", "all"):
+        if n > len(cpus):
+            raise ConfigError(f"{flags} needs {n} CPUs, one per rank of each replica, but this process may use "
+                              f"{len(cpus)}; lower --data-parallel-size or --tensor-parallel-size so that their "
+                              f"product is at most {len(cpus)} (or give VLLM_CPU_OMP_THREADS_BIND {n} CPU lists, "
+                              f"one per rank, e.g. {_example(n, cpus)!r}, to share CPUs)")
+        if bind == "all":
+            return [(None, None)] * dp
+    elif len(bind.split("|")) != n:
+        raise ConfigError(f"VLLM_CPU_OMP_THREADS_BIND gives {len(bind.split('|'))} CPU lists ({bind!r}) for {flags}; "
+                          f"give {n}, one per tensor-parallel rank of each replica (replica r's ranks take lists "
+                          f"r*{tp} .. r*{tp}+{tp - 1}), separated by |")
+    per_rank = cpu_sets(n, bind, cpus, flag=flags, nodes=nodes)
+    out: list[tuple[list[int] | None, str | None]] = []
+    for r in range(dp):
+        ranks = per_rank[r * tp:(r + 1) * tp]
+        out.append((sorted({c for cl in ranks for c in cl}), "|".join(format_cpu_list(cl) for cl in ranks)))
+    return out
+
+
+def _example(n: int, cpus: list[int]) -> str:
+    return "|".join(str(cpus[i % len(cpus)]) for i in range(n))

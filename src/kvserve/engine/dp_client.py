@@ -12,6 +12,8 @@ DPClient looks like one core client to AsyncLLM (send, start, shutdown, is_alive
 
 A replica that dies fails only its own requests and leaves the rotation; the others keep serving.
 Each replica is its own process with its own KV pool and its own share of the CPUs (cpu_bind.py).
+With tensor parallelism each replica's engine core drives its own T ranks (engine/tp_executor.py):
+the replica is handed its ranks' CPU lists (or its T GPUs) and counts as one replica throughout.
 """
 from __future__ import annotations
 
@@ -51,6 +53,32 @@ def _rss_bytes(pid: int) -> int | None:
     return None
 
 
+def _visible_gpus(device: str) -> tuple[int, str | None]:
+    """(GPUs this process sees, CUDA_VISIBLE_DEVICES) where the engine will run on CUDA, else (0, None)."""
+    if device == "cpu":
+        return 0, None
+    import torch
+    if device == "auto" and not torch.cuda.is_available():
+        return 0, None
+    return torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def replica_gpus(dp: int, tp: int, count: int, visible: str | None) -> list[str | None]:
+    """Each replica's CUDA_VISIBLE_DEVICES: T GPUs of its own (replica r the r-th T of the visible
+    ones), or None to inherit this process's (on CPU; and without tensor parallelism where there
+    are fewer GPUs than replicas, which then share them as before)."""
+    if count == 0:
+        return [None] * dp
+    if dp * tp > count:
+        if tp == 1:
+            return [None] * dp
+        raise ConfigError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs {dp * tp} GPUs, one per "
+                          f"rank of each replica, but {count} are visible; lower --data-parallel-size or "
+                          f"--tensor-parallel-size so that their product is at most {count}")
+    ids = [d.strip() for d in visible.split(",")][:count] if visible else [str(i) for i in range(count)]
+    return [",".join(ids[r * tp:(r + 1) * tp]) for r in range(dp)]
+
+
 def _first(results: dict):
     return results[min(results)]
 
@@ -63,9 +91,14 @@ COMBINE = {"reset_prefix_cache": lambda r: all(r.values()),
 class DPClient:
     def __init__(self, args, on_batch: OnBatch, on_dead: OnDead) -> None:
         from kvserve import envs
-        from kvserve.engine.cpu_bind import cpu_sets
-        n = args.data_parallel_size
-        cpus = cpu_sets(n, envs.VLLM_CPU_OMP_THREADS_BIND)
+        from kvserve.engine.cpu_bind import replica_cpu_sets
+        n, tp = args.data_parallel_size, args.tensor_parallel_size
+        binds = replica_cpu_sets(n, tp, envs.VLLM_CPU_OMP_THREADS_BIND)
+        cpus = [c for c, _ in binds]
+        gpus = replica_gpus(n, tp, *_visible_gpus(args.device))
+        self._envs = [{k: v for k, v in (("VLLM_CPU_OMP_THREADS_BIND", bind), ("CUDA_VISIBLE_DEVICES", g))
+                       if v is not None} for (_, bind), g in zip(binds, gpus)]
+        self._fatal: dict[int, str] = {}  # replica -> why its tensor-parallel group failed (it exits next)
         self.on_batch, self.on_dead = on_batch, on_dead
         self.policy = make_policy(args.data_parallel_routing)
         self.block_size, self.kv_cache_dtype = args.block_size, args.kv_cache_dtype
@@ -95,27 +128,35 @@ class DPClient:
         for rep, c in zip(self.replicas, self.clients):
             s = c.info["stats"]
             rep.num_running, rep.num_waiting = s.num_running, s.num_waiting
-        logger.info("%d data-parallel engine core processes, CPUs %s, routing: %s", n, cpus, self.policy.name)
+        logger.info("%d data-parallel engine core processes%s, CPUs %s, routing: %s", n,
+                    f" of {tp} tensor-parallel ranks each" if tp > 1 else "",
+                    [e.get("VLLM_CPU_OMP_THREADS_BIND", c) for e, c in zip(self._envs, cpus)], self.policy.name)
 
     def _start(self, args, rank: int, cpus, wait: bool) -> MPClient:
         return MPClient(replica_args(args, rank), partial(self._on_rank_batch, rank), partial(self._on_rank_dead, rank),
-                        rank=rank, cpus=cpus, forward_kv_events=True, wait=wait)
+                        rank=rank, cpus=cpus, forward_kv_events=True, wait=wait, env=self._envs[rank])
 
     def _check_memory(self, args, n: int) -> None:
         """Each further replica takes what the first one does (weights + KV pool): refuse to start
         N that cannot fit, instead of letting the kernel's OOM killer pick one later."""
         available = host_memory("MemAvailable")
-        rss = _rss_bytes(self.clients[0].proc.pid)
-        if available is None or rss is None or n == 1:
+        info = self.clients[0].info
+        # With tensor parallelism a replica is its engine core plus its other ranks' processes,
+        # each holding its share of the weights and a KV pool of kv_cache_bytes.
+        pids = [self.clients[0].proc.pid, *info.get("rank_pids", ())]
+        sizes = [_rss_bytes(pid) for pid in pids]
+        if available is None or None in sizes or n == 1:
             return
-        kv = self.clients[0].info.get("kv_cache_bytes", 0)
+        rss = sum(sizes)
+        kv = info.get("kv_cache_bytes", 0) * args.tensor_parallel_size
         per_replica = max(rss, kv)
         need = (n - 1) * per_replica
         if need > available:
             raise ConfigError(
                 f"--data-parallel-size {n} needs about {n * per_replica / 2**30:.1f} GiB ({per_replica / 2**30:.2f} "
-                f"GiB per replica: weights + KV cache, measured on the first) but {available / 2**30:.1f} GiB more "
-                f"is available after the first; lower --data-parallel-size or --kv-cache-memory")
+                f"GiB per replica: weights + KV cache, measured on the first"
+                f"{f' and its {len(pids) - 1} other tensor-parallel ranks' if len(pids) > 1 else ''}) "
+                f"but {available / 2**30:.1f} GiB more is available after the first; lower --data-parallel-size or --kv-cache-memory")
 
     # ----- the client interface -----
 
@@ -208,8 +249,12 @@ class DPClient:
             for out, _ in batch.ended:
                 self._rank_of.pop(out.request_id, None)
             if batch.failed:
-                for rid in batch.failed[0]:
+                rids, why = batch.failed
+                for rid in rids:
                     self._rank_of.pop(rid, None)
+                batch.failed = (rids, f"data-parallel replica {rank}: {why}")
+                if "tensor-parallel" in why:  # its group cannot step again: the replica's process exits next
+                    self._fatal[rank] = why
         self.on_batch(batch)
 
     def _call_answered(self, call_id: int, rank: int, ok: bool, value) -> tuple | None:
@@ -229,6 +274,8 @@ class DPClient:
         return call_id, True, COMBINE.get(call["name"], _first)(call["results"])
 
     def _on_rank_dead(self, rank: int, reason: str) -> None:
+        if rank in self._fatal:
+            reason = f"{reason} after its tensor-parallel group failed ({self._fatal[rank]})"
         with self._lock:
             rep = self.replicas[rank]
             if not rep.alive:

@@ -127,7 +127,7 @@ def start(args: EngineArgs, loaded, budget, dtype: torch.dtype, device: torch.de
                 ", ".join(f"rank {k.rank} in " + (k.proc.where if ray else f"process {k.proc.pid}")
                           + (f" on CPUs {cpus[k.rank]}" if cpus[k.rank] else "")
                           for k in ranks), "NCCL" if device.type == "cuda" else "gloo", host, timeout_s)
-    return TensorParallelRunner(runner, ranks, saved)
+    return TensorParallelRunner(runner, ranks, saved, host)
 
 
 def _await(ranks: list[_Rank], what: str, timeout_s: float) -> None:
@@ -178,8 +178,9 @@ class TensorParallelRunner:
     every rank first. Attributes it does not define are rank 0's runner's (its kv_cache holds
     rank 0's heads)."""
 
-    def __init__(self, runner, ranks: list[_Rank], saved) -> None:
+    def __init__(self, runner, ranks: list[_Rank], saved, host: str = "127.0.0.1") -> None:
         self._runner, self._ranks, self._saved = runner, ranks, saved
+        self.host = host  # rank 0's node address (a Ray actor whose node is this one runs here)
         self._failed: str | None = None
         self.tensor_parallel_size = len(ranks) + 1
         self._ranked_kv: RankedKVCache | None = None
@@ -211,6 +212,11 @@ class TensorParallelRunner:
             return self._runner.execute(out)
         except Exception as e:
             raise self._fail(e) from e
+
+    def local_pids(self) -> list[int]:
+        """The processes of ranks 1..N-1 on this machine (a Ray actor on another node has none here)."""
+        return [k.proc.pid for k in self._ranks
+                if getattr(k.proc, "backend", "mp") == "mp" or (k.proc.pid is not None and k.proc.node == self.host)]
 
     def warm_up(self, prompt_len: int) -> None:
         self._call("warm_up", prompt_len)
