@@ -156,7 +156,8 @@ class DPClient:
                 f"--data-parallel-size {n} needs about {n * per_replica / 2**30:.1f} GiB ({per_replica / 2**30:.2f} "
                 f"GiB per replica: weights + KV cache, measured on the first"
                 f"{f' and its {len(pids) - 1} other tensor-parallel ranks' if len(pids) > 1 else ''}) "
-                f"but {available / 2**30:.1f} GiB more is available after the first; lower --data-parallel-size or --kv-cache-memory")
+                f"but {available / 2**30:.1f} GiB more is available after the first; lower --data-parallel-size "
+                f"or --kv-cache-memory")
 
     # ----- the client interface -----
 
