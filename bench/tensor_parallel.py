@@ -16,7 +16,9 @@ prefill tok/s (4 prompts of 512 tokens, one output token), decode tok/s (a batch
 spent in all-reduces per decode step and per call (two per layer). Then the step dispatch: a
 pickled SchedulerOutput of the decode batch sent to rank 1 over a pipe, over a TCP
 multiprocessing.connection (what a Ray actor is sent on), and by torch.distributed's
-broadcast_object_list, per step. Prints a table, writes JSON.
+broadcast_object_list, per step. Last, bench/throughput.py's standard offline workloads (random and
+shared, --workload-requests each, prefix caching on) at TP=1 on one core, on two, and TP=2.
+Prints the tables, writes JSON.
 """
 from __future__ import annotations
 
@@ -97,6 +99,34 @@ def measure(model: str, label: str, tp: int, decode_batch: int, **kw) -> dict:
             row.update(all_reduce_ms_per_step=round(1e3 * seconds / steps, 2),
                        all_reduce_us_per_call=round(1e6 * seconds / calls, 1), all_reduce_calls_per_step=calls // steps,
                        all_reduce_share=round(seconds / elapsed, 3))
+        return row
+    finally:
+        llm.engine.close()
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+def measure_workloads(model: str, label: str, tp: int, num_requests: int) -> dict:
+    """bench/throughput.py's standard offline workloads (random: prompts of 128-512 tokens, 128
+    out; shared: a 1,024-token prefix + 32 unique tokens, 32 out), prefix caching on: output tok/s."""
+    import torch
+    import throughput
+
+    from kvserve import LLM
+    affinity, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    if tp == 1 and "one core" in label:
+        os.sched_setaffinity(0, affinity[:1])
+        torch.set_num_threads(1)
+    llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, kv_cache_memory=512 << 20, max_model_len=2048,
+              max_num_seqs=num_requests)
+    try:
+        workloads = throughput.make_workloads(num_requests, llm.engine.model_config.vocab_size)
+        throughput.run_kvserve(llm, workloads["random"][0][:4], 4)  # warm
+        row = {"label": label, "tp": tp}
+        for name, (prompts, out_len) in workloads.items():
+            r = throughput.run_kvserve(llm, prompts, out_len)
+            row[f"{name}_out_tok_s"] = round(r["output_tok_per_s"], 1)
+            row[f"{name}_seconds"] = round(r["seconds"], 2)
         return row
     finally:
         llm.engine.close()
@@ -195,6 +225,8 @@ def main() -> None:
                                                   "tensor_parallel.json"))
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--model-dir", default="/tmp/kvserve-bench-tp-checkpoint")
+    ap.add_argument("--workload-requests", type=int, default=16,
+                    help="requests per standard workload (bench/throughput.py's random and shared); 0 skips them")
     ap.add_argument("--backend", choices=("mp", "ray", "both"), default="mp",
                     help="--distributed-executor-backend of the TP=2 row (ray: a cluster must be running)")
     args = ap.parse_args()
@@ -217,8 +249,17 @@ def main() -> None:
           f"{dispatch['pipe_us_per_step']} us, TCP connection {dispatch['tcp_connection_us_per_step']} us, "
           f"broadcast_object_list {dispatch['broadcast_object_list_us_per_step']} us "
           f"per step (a 1-element all-reduce alone: {dispatch['tiny_all_reduce_us']} us)")
+    loads = []
+    if args.workload_requests:
+        loads = [measure_workloads(model, label, tp, args.workload_requests)
+                 for label, tp in (("TP=1, one core", 1), ("TP=1, two cores", 1), ("TP=2, one core per rank", 2))]
+        print(f"\nstandard workloads, {args.workload_requests} requests each, prefix caching on (output tok/s):")
+        print(f"{'configuration':44} {'random':>8} {'shared':>8}")
+        for r in loads:
+            print(f"{r['label']:44} {r['random_out_tok_s']:8.1f} {r['shared_out_tok_s']:8.1f}")
     result = {"machine": platform.processor() or platform.machine(), "cpus": affinity,
-              "decode_batch": args.decode_batch, "backend": args.backend, "rows": rows, "dispatch": dispatch}
+              "decode_batch": args.decode_batch, "backend": args.backend, "rows": rows, "dispatch": dispatch,
+              "workloads": loads}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -32,6 +32,7 @@ CAPABILITIES = {
     "no_avx512_bf16": "a CPU (build target) without AVX512-BF16",
     "no_amx": "a CPU (build target) without AMX",
     "cuda": "a CUDA GPU",
+    "cuda_2": "two CUDA GPUs (tensor parallelism over NCCL)",
     "glibc": "glibc (mallopt)",
     "linux": "Linux /proc",
     "promtool": "promtool (Debian package prometheus; .ci/install_observability.sh)",
@@ -60,6 +61,7 @@ def capabilities() -> dict[str, bool]:
     import torch
     return {"cpu_kernels": kernels, "avx512_bf16": bf16, "amx": amx, "no_avx512_bf16": kernels and not bf16,
             "no_amx": bf16 and not amx, "cuda": torch.cuda.is_available(),
+            "cuda_2": torch.cuda.is_available() and torch.cuda.device_count() >= 2,
             "glibc": platform.libc_ver()[0] == "glibc", "linux": Path("/proc/meminfo").exists(),
             "promtool": shutil.which("promtool") is not None, "prometheus": shutil.which("prometheus") is not None,
             "chromium": shutil.which("chromium") is not None}

@@ -223,3 +223,25 @@ def test_fused_elementwise_kernels(dtype: torch.dtype) -> None:
     from fused_cases import check_fused_kernels
 
     check_fused_kernels(dtype, "cuda", rows=300)
+
+
+@pytest.mark.needs("cuda_2")
+def test_tp2_ranks_capture_and_replay_decode_graphs(tiny) -> None:
+    """Tensor parallelism over NCCL, one GPU per rank: each rank captures its decode graphs with
+    the all-reduces inside, and the ranks replay the same size at the same step; float32 tokens
+    are TP=1's, through graphs and eagerly."""
+    prompts = rand_prompts(4, [5, 40, 100, 17, 64, 8], 49152)
+    kw = dict(dtype="float32", device="cuda", max_num_seqs=8, num_gpu_blocks_override=128, max_model_len=256)
+    tp1 = LLM(str(tiny), enforce_eager=True, **kw)
+    want = generate(tp1, prompts)
+    tp1.engine.close()
+    for eager in (True, False):
+        llm = LLM(str(tiny), tensor_parallel_size=2, enforce_eager=eager, **kw)
+        try:
+            assert generate(llm, prompts) == want
+            graphs = runner(llm).graphs
+            assert (graphs is None) == eager
+            if not eager:
+                assert graphs.replays > 0
+        finally:
+            llm.engine.close()

@@ -1,5 +1,6 @@
 """Tensor parallelism (--tensor-parallel-size): greedy tokens at TP=2, 3 and 4 against TP=1 through
-prefix hits, chunked prefill and preemption; a rank killed mid-stream fails the requests and the
+prefix hits, chunked prefill and preemption (by recompute and by swap), on tiny checkpoints and
+the embedded model; a rank killed mid-stream fails the requests and the
 engine instead of hanging it; bad settings are start-up errors naming the flag."""
 from __future__ import annotations
 
@@ -84,10 +85,11 @@ def _workload(llm) -> tuple[list[list[int]], dict]:
     llm.engine.kv.check_integrity()
     tokens = [list(o.outputs[0].token_ids) for o in first + outs]
     return tokens, {"cached": sum(o.num_cached_tokens for o in outs),
-                    "preemptions": llm.engine.scheduler.num_preemptions}
+                    "preemptions": llm.engine.scheduler.num_preemptions,
+                    "swapped": llm.engine.get_stats().num_swapped_preemptions}
 
 
-def _run(path: str, tp: int, **kw) -> tuple[list[list[int]], dict]:
+def _run(path: str | None, tp: int, **kw) -> tuple[list[list[int]], dict]:
     llm = LLM(path, dtype="float32", tensor_parallel_size=tp, block_size=8, num_gpu_blocks_override=22,
               max_model_len=160, max_num_batched_tokens=48, check_integrity=True, **kw)
     try:
@@ -118,6 +120,35 @@ def test_tp4_replicates_kv_heads_and_equals_tp1(tiny, tp1_tokens, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", _shared_cpus(4))
     got, _ = _run(tiny, 4)
     assert got == tp1_tokens[0]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
+def test_tp3_greedy_equals_tp1_on_six_heads_over_three(tmp_path_factory, monkeypatch, swap):
+    """TP=3 on a checkpoint whose 6 query / 3 KV heads and MLP split in three (one KV head per
+    rank), float32, through prefix hits, chunks and preemption by recompute or by swap (the host
+    tier restoring every rank's heads)."""
+    from tiny_models import make_tiny_model
+    path = str(make_tiny_model(tmp_path_factory.mktemp("h6kv3"), kind="llama_h6kv3"))
+    kw = dict(preemption_mode="swap", swap_space=0.01) if swap else {}
+    want, counters = _run(path, 1, **kw)
+    assert counters["cached"] > 100 and counters["preemptions"] > 0 and (counters["swapped"] > 0) == swap, counters
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", _shared_cpus(3))
+    got, tp_counters = _run(path, 3, **kw)
+    assert got == want
+    assert tp_counters == counters  # each rank's pool holds as many blocks: the same schedule
+
+
+@pytest.mark.slow
+def test_tp3_on_the_embedded_model_equals_tp1_in_fp32(monkeypatch):
+    """SmolLM2-135M (9 query / 3 KV heads) in float32 at TP=3, token for token against TP=1,
+    through prefix hits, chunks and preemption by swap with its host-tier restores."""
+    kw = dict(quantization="none", preemption_mode="swap", swap_space=0.05)
+    want, counters = _run(None, 1, **kw)
+    assert counters["cached"] > 100 and counters["swapped"] > 0, counters
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", _shared_cpus(3))
+    got, tp_counters = _run(None, 3, **kw)
+    assert got == want
+    assert tp_counters == counters
 
 
 def test_swap_preemption_at_tp2_moves_every_ranks_heads(tiny, tp1_tokens):

@@ -34,6 +34,9 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict]] = {
     "llama3_rope": ("Llama", dict(rope_parameters=_LLAMA3_ROPE)),
     "llama_mqa": ("Llama", dict(num_key_value_heads=1)),
     "llama_mha": ("Llama", dict(num_key_value_heads=4, hidden_size=96, intermediate_size=160)),
+    # 6 query / 3 KV heads and an MLP of 192: splits across 3 tensor-parallel ranks
+    "llama_h6kv3": ("Llama", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+                                  intermediate_size=192)),
     # head_dim set explicitly and != hidden / heads, as in Gemma-like or Qwen3-like configs
     "llama_head_dim": ("Llama", dict(head_dim=32)),
     # head_dim 64: the size of the bf16 CPU attention kernel (and its "pairs" KV layout)

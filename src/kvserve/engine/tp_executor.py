@@ -77,7 +77,7 @@ def start(args: EngineArgs, loaded, budget, dtype: torch.dtype, device: torch.de
     import multiprocessing as mp
 
     from kvserve.engine import tp_worker
-    from kvserve.runner.build import make_runner
+    from kvserve.runner.build import cuda_graph_sizes, make_runner
 
     tp = args.tensor_parallel_size
     cpus = rank_cpus(args, device)
@@ -114,7 +114,11 @@ def start(args: EngineArgs, loaded, budget, dtype: torch.dtype, device: torch.de
         _await(ranks, "built", START_TIMEOUT_S)
         init_group(0, tp, port, device, timeout_s, host)
         runner.model.all_reduce = AllReduce()
-        _await(ranks, "ready", timeout_s)
+        # Every rank captures the same decode sizes in the same order: each capture's eager run
+        # meets the others' in its all-reduces.
+        graph_sizes = cuda_graph_sizes(args, device)
+        runner.capture_graphs(graph_sizes, budget.max_model_len)
+        _await(ranks, "ready", START_TIMEOUT_S if graph_sizes else timeout_s)
     except BaseException:
         _stop(ranks)
         destroy_group()

@@ -34,7 +34,7 @@ def main(args, rank: int, world: int, port: int, cpus: list[int] | None, budget,
         import torch
 
         from kvserve.model.loader import load_model
-        from kvserve.runner.build import make_runner
+        from kvserve.runner.build import cuda_graph_sizes, make_runner
         from kvserve.runner.distributed import AllReduce, init_group
         if cpus:
             torch.set_num_threads(len(cpus))
@@ -47,6 +47,7 @@ def main(args, rank: int, world: int, port: int, cpus: list[int] | None, budget,
         conn.send(("built", os.getpid()))
         init_group(rank, world, port, device, timeout_s, host)
         runner.model.all_reduce = AllReduce()
+        runner.capture_graphs(cuda_graph_sizes(args, device), budget.max_model_len)  # with rank 0's, size by size
         conn.send(("ready", os.getpid()))
     except BaseException as e:
         logger.exception("tensor-parallel rank %d failed to start", rank)

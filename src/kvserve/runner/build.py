@@ -158,7 +158,8 @@ def make_runner(args: EngineArgs, cfg: ModelConfig, weights: dict, codes: dict |
                 dtype: torch.dtype, device: torch.device, kv_scales: KVScales | None, rank: int = 0):
     """The ModelRunner of one rank (the only one without tensor parallelism): its share of the
     weights (model/shard.py) and a KV pool of `budget.num_blocks` blocks of its heads. A sharded
-    model runs bf16 projections, not GGUF codes (their blocks are not split by rank)."""
+    model runs bf16 projections, not GGUF codes (their blocks are not split by rank), and captures
+    its CUDA graphs later, once its group is joined (their all-reduces need the group)."""
     from kvserve.model.shard import rank_config, shard_weights
     from kvserve.runner.model_runner import ModelRunner, RunnerConfig
 

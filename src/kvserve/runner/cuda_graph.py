@@ -11,6 +11,10 @@ per row the input id, position, slot and context length (one [4, B] tensor) and 
 table (a [B, max_blocks] tensor). Each step fills a pinned host copy of both and sends them in
 two copies. Block-table columns past a row's context hold stale ids that no kernel reads.
 
+Under tensor parallelism each rank captures its own graphs, all-reduces included (NCCL
+collectives are capturable), after the group is joined; every rank replays the graph of the same
+size at the same step, since they all run the same step.
+
 Only the Triton backend over a full-precision `PagedKVCache` is captured: its kernels take every
 per-step quantity from device memory. The torch backend and the quantized caches plan each step
 on the host (gathers sized by the step), which a graph cannot replay; they run eagerly.
@@ -112,7 +116,16 @@ class DecodeGraphs:
                 self.model.forward(ids, meta.positions, meta, self.kv_cache)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            mode = "global"
+            if self.model.all_reduce is not None:
+                # Under tensor parallelism the graph holds NCCL all-reduces, which every rank
+                # captures in the same order (the eager run above met all of them). NCCL's
+                # watchdog thread queries the events of collectives already issued, which a
+                # global capture forbids on any thread: none may be in flight, and only this
+                # thread's calls are checked.
+                torch.cuda.synchronize(self.model.device)
+                mode = "thread_local"
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 hidden = self.model.forward(ids, meta.positions, meta, self.kv_cache)
             pool = graph.pool()
             self._graphs[b] = _Graph(graph, hidden)

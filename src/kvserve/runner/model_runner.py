@@ -108,9 +108,14 @@ class ModelRunner:
                                     shard=config.lora_shard)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:
-            self._capture(list(config.cuda_graph_sizes), config.max_model_len or model_config.max_position_embeddings)
+            self.capture_graphs(list(config.cuda_graph_sizes),
+                                config.max_model_len or model_config.max_position_embeddings)
 
-    def _capture(self, sizes: list[int], max_model_len: int) -> None:
+    def capture_graphs(self, sizes: list[int], max_model_len: int) -> None:
+        """Capture the decode step for each batch size in `sizes` (none: stay eager). A
+        tensor-parallel rank calls this itself once its group is joined (engine/tp_executor.py)."""
+        if not sizes:
+            return
         reason = graphs_unsupported(self.model, self.kv_cache)
         if reason:
             logger.info("decode steps run eagerly: %s", reason)
