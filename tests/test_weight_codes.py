@@ -148,3 +148,94 @@ def test_quantization_flag_is_checked(tmp_path):
     args.validate()
     with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF checkpoint"):
         build_engine_parts(args)
+
+
+def _split_model(qtype: str, hq: int, hkv: int, inter: int) -> tuple[object, dict, dict]:
+    """One layer's projections of a head_dim 64 model as GGUF codes, and their dequantized weights."""
+    from kvserve.config import ModelConfig
+
+    d = 64
+    hidden = hq * d
+    cfg = ModelConfig("llama", 100, hidden, inter, 1, hq, hkv, d, 128)
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    shapes = {a + "q_proj.weight": (hq * d, hidden), a + "k_proj.weight": (hkv * d, hidden),
+              a + "v_proj.weight": (hkv * d, hidden), a + "o_proj.weight": (hidden, hq * d),
+              m + "gate_proj.weight": (inter, hidden), m + "up_proj.weight": (inter, hidden),
+              m + "down_proj.weight": (hidden, inter), "model.embed_tokens.weight": (100 - 4, hidden)}
+    codes = {name: random_blocks(qtype, n, k, seed=i) for i, (name, (n, k)) in enumerate(shapes.items())}
+    return cfg, codes, {name: c.dequantize() for name, c in codes.items()}
+
+
+@pytest.mark.parametrize("tp", [3, 6])
+def test_sharded_codes_are_the_sharded_weights(tp):
+    """Each rank's codes (rows of blocks for q/k/v/gate/up, whole 32-column blocks of o and down)
+    dequantize to exactly that rank's slice of the dequantized weights; at TP=6 each KV head is
+    held by two ranks."""
+    from kvserve.model.shard import shard_codes, shard_weights
+
+    cfg, codes, weights = _split_model("Q4_1", 6, 3, 384)
+    for rank in range(tp):
+        mine, want = shard_codes(codes, cfg, rank, tp), shard_weights(weights, cfg, rank, tp)
+        assert set(mine) == set(codes)
+        for name, c in mine.items():
+            assert torch.equal(c.dequantize(), want[name]), (rank, name)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_ranks_codes_gemm_is_bit_identical_to_its_bf16_shard(qtype):
+    """TP=3 over 9 query / 3 KV heads (SmolLM2's split): every rank's fused q/k/v (rotary epilogue),
+    o, gate/up (SiLU epilogue) and down over its codes give the bits of the same projections over
+    its dequantized bf16 shard."""
+    from kvserve.model.shard import rank_config, shard_codes, shard_weights
+    from kvserve.model.weight_codes import cat
+
+    tp = 3
+    cfg, codes, weights = _split_model(qtype, 9, 3, 576)
+    local = rank_config(cfg, tp)
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    q_rows = local.num_attention_heads * 64
+    fused = {"qkv": ([a + f"{p}_proj.weight" for p in "qkv"], rope_epilogue(64, q_rows + 64)),
+             "o": ([a + "o_proj.weight"], None), "gate_up": ([m + "gate_proj.weight", m + "up_proj.weight"], SILU_MUL),
+             "down": ([m + "down_proj.weight"], None)}
+    g = torch.Generator().manual_seed(tp)
+    for rank in range(tp):
+        mine, dense = shard_codes(codes, cfg, rank, tp), shard_weights(weights, cfg, rank, tp)
+        for what, (names, epi) in fused.items():
+            w = torch.cat([dense[n] for n in names]).bfloat16()
+            plain, coded = Linear(w, epilogue=epi), Linear(w, epilogue=epi, codes=cat([mine[n] for n in names]))
+            assert coded.codes == qtype and plain.codes is None, what
+            for rows in (1, 7, 40):
+                x = torch.randn(rows, w.shape[1], generator=g).bfloat16()
+                args = ()
+                if epi is not None and epi.kind == rope_epilogue(64, 64).kind:
+                    ang = torch.rand(rows, 32, generator=g) * 100
+                    args = (torch.cat((ang.cos(), ang.cos()), -1).bfloat16().contiguous(),
+                            torch.cat((-ang.sin(), ang.sin()), -1).bfloat16().contiguous())
+                assert torch.equal(coded(x, *args), plain(x, *args)), (rank, what, rows)
+
+
+def test_a_split_that_cuts_gguf_blocks_is_refused_with_quantization_gguf(tmp_path, monkeypatch):
+    """llama_mha's o (96 inputs) and down (160) split in two are 48 and 80 columns a rank: not whole
+    32-weight blocks, and gate/up's 320 rows (five 64-row panels) are 160 a rank. --quantization gguf
+    is refused naming the numbers and the sizes that fit; unset, those projections' codes are left
+    out of each rank's share (they run on its bf16 shard)."""
+    from kvserve.config import ConfigError, EngineArgs
+    from kvserve.model.loader import load_model
+    from kvserve.model.shard import codes_split_problems, shard_codes
+    from kvserve.runner.build import build_engine_parts
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(make_tiny_gguf(tmp_path, "llama_mha", quantize="Q4_1"))
+    args = EngineArgs(model=path, quantization="gguf", tensor_parallel_size=2)
+    args.validate()
+    with pytest.raises(ConfigError, match=r"--quantization gguf with --tensor-parallel-size 2: o_proj's 96 inputs "
+                                          r"split 2 ways are 48 per rank, not a whole number of 32-weight GGUF "
+                                          r"blocks; down_proj's 160 inputs split 2 ways are 80 per rank.*use a "
+                                          r"--tensor-parallel-size that splits whole blocks \(1\), or leave "
+                                          r"--quantization unset"):
+        build_engine_parts(args)
+    loaded = load_model(path)
+    assert set(codes_split_problems(loaded.config, 2, loaded.codes)) == {"o_proj", "down_proj", "gate_up_proj"}
+    kept = shard_codes(loaded.codes, loaded.config, 1, 2)
+    assert {n.split(".")[-2] for n in kept} == {"q_proj", "k_proj", "v_proj", "embed_tokens", "lm_head"}

@@ -381,8 +381,7 @@ class EngineArgs:
             import importlib.util
             if importlib.util.find_spec("ray") is None:
                 raise ConfigError(NO_RAY)
-        refused = [(self.kv_transfer_config is not None, "--kv-transfer-config"),
-                   (self.quantization == "gguf", "--quantization gguf (a sharded model runs bf16 projections)")]
+        refused = [(self.kv_transfer_config is not None, "--kv-transfer-config")]
         for hit, what in refused:
             if hit:
                 raise ConfigError(f"{what} is not implemented with --tensor-parallel-size {tp}; drop one of them")

@@ -110,7 +110,7 @@ def start(args: EngineArgs, loaded, budget, dtype: torch.dtype, device: torch.de
             torch.set_num_threads(len(cpus[0]))
         if device.type == "cuda":
             torch.cuda.set_device(0)
-        runner = make_runner(args, loaded.config, loaded.weights, None, budget, dtype, device, kv_scales, 0)
+        runner = make_runner(args, loaded.config, loaded.weights, loaded.codes, budget, dtype, device, kv_scales, 0)
         _await(ranks, "built", START_TIMEOUT_S)
         init_group(0, tp, port, device, timeout_s, host)
         runner.model.all_reduce = AllReduce()

@@ -41,7 +41,7 @@ def main(args, rank: int, world: int, port: int, cpus: list[int] | None, budget,
         if device.type == "cuda":
             torch.cuda.set_device(rank)  # NCCL: one GPU per rank
         loaded = load_model(args.model, dtype=dtype)
-        runner = make_runner(args, loaded.config, loaded.weights, None, budget, dtype,
+        runner = make_runner(args, loaded.config, loaded.weights, loaded.codes, budget, dtype,
                              torch.device(device.type, rank) if device.type == "cuda" else device, kv_scales, rank)
         del loaded
         conn.send(("built", os.getpid()))

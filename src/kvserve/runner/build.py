@@ -157,16 +157,17 @@ def _static_fp8_scales(args: EngineArgs, weights: dict) -> bool:
 def make_runner(args: EngineArgs, cfg: ModelConfig, weights: dict, codes: dict | None, budget: KVBudget,
                 dtype: torch.dtype, device: torch.device, kv_scales: KVScales | None, rank: int = 0):
     """The ModelRunner of one rank (the only one without tensor parallelism): its share of the
-    weights (model/shard.py) and a KV pool of `budget.num_blocks` blocks of its heads. A sharded
-    model runs bf16 projections, not GGUF codes (their blocks are not split by rank), and captures
-    its CUDA graphs later, once its group is joined (their all-reduces need the group)."""
-    from kvserve.model.shard import rank_config, shard_weights
+    weights and of the GGUF codes (model/shard.py) and a KV pool of `budget.num_blocks` blocks of its
+    heads. A sharded model captures its CUDA graphs later, once its group is joined (their all-reduces
+    need the group)."""
+    from kvserve.model.shard import rank_config, shard_codes, shard_weights
     from kvserve.runner.model_runner import ModelRunner, RunnerConfig
 
     tp = args.tensor_parallel_size
     lora_shard = (cfg, rank, tp) if tp > 1 else None
     if tp > 1:
-        weights, cfg, codes = shard_weights(weights, cfg, rank, tp), rank_config(cfg, tp), None
+        codes = shard_codes(codes, cfg, rank, tp) if codes and args.quantization != "none" else None
+        weights, cfg = shard_weights(weights, cfg, rank, tp), rank_config(cfg, tp)
     return ModelRunner(cfg, weights, RunnerConfig(
         dtype=dtype, device=device, block_size=args.block_size, num_blocks=budget.num_blocks,
         kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, attention_backend=args.attention_backend,
@@ -190,6 +191,8 @@ def build_engine_parts(args: EngineArgs, start_ranks=None) -> EngineSetup:
     if args.quantization == "gguf" and not loaded.codes:
         raise ConfigError(f"--quantization gguf needs a GGUF checkpoint with Q4_1 or Q8_0 weights; {loaded.source} "
                           f"has none (leave --quantization unset to load it as stored)")
+    if args.tensor_parallel_size > 1 and args.quantization != "none":
+        _check_codes_split(args, loaded.config, loaded.codes)
     tokenizer = loaded.tokenizer
     if args.tokenizer:
         from kvserve.model.tokenizer import Tokenizer
@@ -235,6 +238,31 @@ def build_engine_parts(args: EngineArgs, start_ranks=None) -> EngineSetup:
         from kvserve.cache.offload import engine_fingerprint
         fingerprint = engine_fingerprint(args, cfg, loaded.weights, dtype, runner.kv_cache)
     return EngineSetup(cfg, tokenizer, runner, budget, fingerprint)
+
+
+def _check_codes_split(args: EngineArgs, cfg: ModelConfig, codes: dict) -> None:
+    """GGUF codes whose split by rank is not whole blocks: refused under --quantization gguf
+    (which asks for the codes), else run as the rank's bf16 shard, logged."""
+    from kvserve.model.shard import codes_split_problems, kv_heads_per_rank
+
+    tp = args.tensor_parallel_size
+    problems = codes_split_problems(cfg, tp, codes)
+    if not problems:
+        return
+    why = "; ".join(problems.values())
+    if args.quantization == "gguf":
+        def fits(n: int) -> bool:
+            try:
+                kv_heads_per_rank(cfg, n)
+            except ConfigError:
+                return False
+            return not codes_split_problems(cfg, n, codes)
+        sizes = [str(n) for n in range(1, cfg.num_attention_heads + 1) if fits(n)]
+        raise ConfigError(f"--quantization gguf with --tensor-parallel-size {tp}: {why}; use a "
+                          f"--tensor-parallel-size that splits whole blocks ({', '.join(sizes)}), or leave "
+                          f"--quantization unset to run {' and '.join(problems)} on bf16 shards")
+    logger.warning("--tensor-parallel-size %d: %s; %s run%s on bf16 shards (the other projections keep their "
+                   "GGUF codes)", tp, why, " and ".join(problems), "" if len(problems) > 1 else "s")
 
 
 def cuda_graph_sizes(args: EngineArgs, device: torch.device) -> list[int]:
