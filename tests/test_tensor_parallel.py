@@ -302,26 +302,33 @@ def test_a_rank_that_hangs_fails_the_step_after_the_timeout(tiny, monkeypatch):
 @pytest.mark.slow
 def test_tp3_on_the_embedded_model_agrees_with_tp1_in_bf16(smollm2_hf, monkeypatch):
     """SmolLM2-135M's 9 query / 3 KV heads at TP=3 (one KV head per rank), bf16, against TP=1 on
-    the same bf16 weights (--quantization none: a sharded model runs no GGUF codes): the
-    tokens agree up to near-ties within the bound transformers' own bf16 rounding sets."""
+    the same weights: the tokens agree up to near-ties within the bound transformers' own bf16
+    rounding sets. Each rank's projections over its share of the Q4_1 codes (--quantization gguf)
+    give the bits of its dequantized bf16 shard (--quantization none): the same tokens and logprobs."""
     from fidelity import TEXT, assert_greedy_agrees, bf16_bound, run_of
+
+    from kvserve.ops.cpu_kernels import gemm_codes_kernel
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", _shared_cpus(3))
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, logprobs=5)
     words = TEXT.split()
     texts = [" ".join(words[i:i + n]) for i, n in ((0, 40), (50, 12), (0, 25))]  # the third hits the first's prefix
     runs = {}
-    for tp in (1, 3):
-        llm = LLM(None, dtype="bfloat16", quantization="none", tensor_parallel_size=tp, kv_cache_memory=64 << 20,
+    for tp, q in ((1, "gguf"), (3, "none"), (3, "gguf")):
+        llm = LLM(None, dtype="bfloat16", quantization=q, tensor_parallel_size=tp, kv_cache_memory=64 << 20,
                   max_model_len=512, max_num_batched_tokens=32)
         try:
+            layer = llm.engine.runner.model.layers[0]  # rank 0's
+            coded = q == "gguf" and gemm_codes_kernel("Q4_1") is not None
+            assert {p.codes for p in layer.projections().values()} == {"Q4_1" if coded else None}
             outs = llm.generate(texts, params, use_tqdm=False)
-            runs[tp] = [run_of(o.outputs[0]) for o in outs]
+            runs[tp, q] = [run_of(o.outputs[0]) for o in outs]
             prompts = [list(o.prompt_token_ids) for o in outs]
         finally:
             llm.engine.close()
-    seqs = [p + r.tokens for p, r in zip(prompts, runs[1])]
+    assert runs[3, "gguf"] == runs[3, "none"]
+    seqs = [p + r.tokens for p, r in zip(prompts, runs[1, "gguf"])]
     bound = bf16_bound(smollm2_hf, seqs, [range(len(p) - 1, len(s) - 1) for p, s in zip(prompts, seqs)])
-    assert_greedy_agrees(runs[3], runs[1], bound, what="TP=3 vs TP=1")
+    assert_greedy_agrees(runs[3, "gguf"], runs[1, "gguf"], bound, what="TP=3 vs TP=1")
 
 
 def test_bad_settings_are_start_up_errors_naming_the_flag(tiny, monkeypatch):
