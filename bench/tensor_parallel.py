@@ -19,6 +19,12 @@ multiprocessing.connection (what a Ray actor is sent on), and by torch.distribut
 broadcast_object_list, per step. Last, bench/throughput.py's standard offline workloads (random and
 shared, --workload-requests each, prefix caching on) at TP=1 on one core, on two, and TP=2.
 Prints the tables, writes JSON.
+
+    python bench/tensor_parallel.py --gguf [--out bench/results/tensor_parallel_gguf.json]
+
+--gguf: the embedded SmolLM2-135M Q4_1 GGUF itself (TP=3: one of its 3 KV heads a rank), each rank
+reading its share of the Q4_1 codes (--quantization gguf) against its dequantized bf16 shard
+(--quantization none), at TP=1 and TP=3; the three ranks share the CPUs in turn (0|1|0 on two).
 """
 from __future__ import annotations
 
@@ -219,17 +225,44 @@ def measure_dispatch(decode_batch: int, iters: int = 300) -> dict:
             "tiny_all_reduce_us": round(1e6 * base, 1)}
 
 
+def _shared_cpus(ranks: int) -> str:
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+
+
+def main_gguf(args) -> None:
+    """Codes against bf16 shards on the embedded model (module docstring)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _shared_cpus(3)
+    rows = [measure(None, f"TP={tp}, {what}", tp, args.decode_batch, quantization=q)
+            for tp in (1, 3) for what, q in (("Q4_1 codes", "gguf"), ("bf16 shards" if tp > 1 else "bf16", "none"))]
+    print(f"{'configuration':24} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} {'all-reduce ms/step':>18}")
+    for r in rows:
+        print(f"{r['label']:24} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.1f} {r['decode_step_ms']:8.2f} "
+              f"{r.get('all_reduce_ms_per_step', float('nan')):18.2f}")
+    result = {"machine": platform.processor() or platform.machine(), "cpus": sorted(os.sched_getaffinity(0)),
+              "binding": os.environ["VLLM_CPU_OMP_THREADS_BIND"], "decode_batch": args.decode_batch, "rows": rows}
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tensor_parallel_gguf.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "tensor_parallel.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/tensor_parallel.json, "
+                                                "tensor_parallel_gguf.json with --gguf)")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--model-dir", default="/tmp/kvserve-bench-tp-checkpoint")
     ap.add_argument("--workload-requests", type=int, default=16,
                     help="requests per standard workload (bench/throughput.py's random and shared); 0 skips them")
     ap.add_argument("--backend", choices=("mp", "ray", "both"), default="mp",
                     help="--distributed-executor-backend of the TP=2 row (ray: a cluster must be running)")
+    ap.add_argument("--gguf", action="store_true", help="the embedded GGUF model: Q4_1 codes against bf16 shards")
     args = ap.parse_args()
+    if args.gguf:
+        return main_gguf(args)
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tensor_parallel.json")
     affinity = sorted(os.sched_getaffinity(0))
     dispatch = measure_dispatch(args.decode_batch)
     os.sched_setaffinity(0, affinity)

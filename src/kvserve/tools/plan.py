@@ -188,8 +188,8 @@ def estimate_weights(spec: ModelSpec, dtype: str, quantization: str, tensor_para
 
 def kvserve_rank_weights(spec: ModelSpec, dtype: str, tensor_parallel_size: int) -> int:
     """The weight bytes one of kvserve's tensor-parallel ranks holds: the decoder's projections
-    split N ways in `dtype` (GGUF codes are dequantized for sharding), the embedding, lm_head and
-    norms whole on every rank (model/shard.py)."""
+    split N ways in `dtype` (an upper bound for a GGUF model: on AMX CPUs its ranks hold their
+    share of the codes instead), the embedding, lm_head and norms whole on every rank (model/shard.py)."""
     params = count_parameters(spec.config)
     return (math.ceil(params.decoder_linear / tensor_parallel_size)
             + params.total - params.decoder_linear) * DTYPE_BYTES[dtype]
