@@ -215,7 +215,7 @@ def test_a_ranks_codes_gemm_is_bit_identical_to_its_bf16_shard(qtype):
                 assert torch.equal(coded(x, *args), plain(x, *args)), (rank, what, rows)
 
 
-def test_a_split_that_cuts_gguf_blocks_is_refused_with_quantization_gguf(tmp_path, monkeypatch):
+def test_a_split_that_cuts_gguf_blocks_is_refused_with_quantization_gguf(tmp_path, monkeypatch, caplog):
     """llama_mha's o (96 inputs) and down (160) split in two are 48 and 80 columns a rank: not whole
     32-weight blocks, and gate/up's 320 rows (five 64-row panels) are 160 a rank. --quantization gguf
     is refused naming the numbers and the sizes that fit; unset, those projections' codes are left
@@ -223,7 +223,7 @@ def test_a_split_that_cuts_gguf_blocks_is_refused_with_quantization_gguf(tmp_pat
     from kvserve.config import ConfigError, EngineArgs
     from kvserve.model.loader import load_model
     from kvserve.model.shard import codes_split_problems, shard_codes
-    from kvserve.runner.build import build_engine_parts
+    from kvserve.runner.build import _check_codes_split, build_engine_parts
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = str(make_tiny_gguf(tmp_path, "llama_mha", quantize="Q4_1"))
@@ -239,3 +239,8 @@ def test_a_split_that_cuts_gguf_blocks_is_refused_with_quantization_gguf(tmp_pat
     assert set(codes_split_problems(loaded.config, 2, loaded.codes)) == {"o_proj", "down_proj", "gate_up_proj"}
     kept = shard_codes(loaded.codes, loaded.config, 1, 2)
     assert {n.split(".")[-2] for n in kept} == {"q_proj", "k_proj", "v_proj", "embed_tokens", "lm_head"}
+    unset = EngineArgs(model=path, tensor_parallel_size=2)
+    unset.validate()
+    with caplog.at_level("WARNING", logger="kvserve.runner.build"):
+        _check_codes_split(unset, loaded.config, loaded.codes)
+    assert "o_proj, down_proj, gate_up_proj run on bf16 shards (the other projections keep" in caplog.text

@@ -260,9 +260,9 @@ def _check_codes_split(args: EngineArgs, cfg: ModelConfig, codes: dict) -> None:
         sizes = [str(n) for n in range(1, cfg.num_attention_heads + 1) if fits(n)]
         raise ConfigError(f"--quantization gguf with --tensor-parallel-size {tp}: {why}; use a "
                           f"--tensor-parallel-size that splits whole blocks ({', '.join(sizes)}), or leave "
-                          f"--quantization unset to run {' and '.join(problems)} on bf16 shards")
+                          f"--quantization unset to run {', '.join(problems)} on bf16 shards")
     logger.warning("--tensor-parallel-size %d: %s; %s run%s on bf16 shards (the other projections keep their "
-                   "GGUF codes)", tp, why, " and ".join(problems), "" if len(problems) > 1 else "s")
+                   "GGUF codes)", tp, why, ", ".join(problems), "" if len(problems) > 1 else "s")
 
 
 def cuda_graph_sizes(args: EngineArgs, device: torch.device) -> list[int]:
