@@ -115,8 +115,8 @@ def measure(model: str, label: str, tp: int, decode_batch: int, **kw) -> dict:
 def measure_workloads(model: str, label: str, tp: int, num_requests: int) -> dict:
     """bench/throughput.py's standard offline workloads (random: prompts of 128-512 tokens, 128
     out; shared: a 1,024-token prefix + 32 unique tokens, 32 out), prefix caching on: output tok/s."""
-    import torch
     import throughput
+    import torch
 
     from kvserve import LLM
     affinity, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
