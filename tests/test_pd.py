@@ -212,3 +212,80 @@ def test_the_decode_side_reads_remote_kv_off_the_step_and_aborts_cleanly(tiny, r
         engine.step()
     engine.kv.check_integrity()
     assert not engine.scheduler.has_unfinished_requests()
+
+
+# -- with tensor parallelism: an entry holds every rank's heads, the fingerprint names the rank count --
+
+def _both(tiny: str, redis_url: str, tp: int, kv_cache_dtype: str = "auto"):
+    from kvserve import LLM
+    return LLM(tiny, dtype="float32", block_size=16, max_model_len=512, kv_redis_url=redis_url,
+               tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype,
+               kv_transfer_config={"kv_connector": "RedisConnector", "kv_role": "kv_both"}).llm_engine
+
+
+def _run(engine, rid: str, prompt, **transfer):
+    from helpers import greedy
+    engine.add_request(rid, prompt, greedy(6, kv_transfer_params=transfer or None))
+    outs = []
+    for _ in range(300):
+        outs += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            return outs[-1]
+    raise AssertionError("did not finish")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_tp2_prefill_and_decode_move_every_ranks_heads_and_tp1_never_reads_them(tiny, redis_server, kv_cache_dtype):
+    """At TP=2 the export reads each prompt block from both ranks (one entry, both ranks' heads,
+    codes and scales with quantized KV); the decode side's threaded read restores every byte of it
+    to the rank it came from, and the tokens are TP=1's in fp32. A TP=1 engine (another
+    fingerprint) on the same Redis finds none of those entries and computes the prompt."""
+    import threading
+
+    import torch
+    from helpers import rand_prompts
+    prompt = rand_prompts(3, [200], 1000)[0]
+    tp1 = _both(tiny, redis_server.url, 1, kv_cache_dtype)
+    tp2 = _both(tiny, redis_server.url, 2, kv_cache_dtype)
+    try:
+        alone = _run(tp1, "plain", prompt)
+        offloader, written = tp2.kv_offloader, {}
+        persist = offloader.persist
+
+        def snapshot(blocks, **kw):  # what the export reads: every rank's fields of each block
+            data = offloader.kv_cache.read_blocks(torch.tensor([b.block_id for b in blocks]))
+            written.update({b.key: [t[j].clone() for t in data] for j, b in enumerate(blocks)})
+            return persist(blocks, **kw)
+        offloader.persist = snapshot
+        _run(tp2, "prefill", prompt, do_remote_prefill=False, do_remote_decode=True)
+        assert len(written) == 12, len(written)  # the 13th block holds the last prompt token
+        own = len(tp2.runner._runner.kv_cache.read_blocks(torch.tensor([0])))
+        assert len(next(iter(written.values()))) == 2 * own  # rank 0's fields, then rank 1's
+        assert tp2.reset_prefix_cache()  # the pool's copy gone: the decode must read Redis
+
+        restored, readers, apply, fetch = {}, [], offloader.apply, tp2.kv_tiers.fetch
+
+        def check(out):
+            apply(out)
+            if out.kv_restores:
+                data = offloader.kv_cache.read_blocks(torch.tensor([r.block_id for r in out.kv_restores]))
+                restored.update({r.stored_key: [t[j].clone() for t in data] for j, r in enumerate(out.kv_restores)})
+        offloader.apply = check
+        tp2.kv_tiers.fetch = lambda *a, **k: readers.append(threading.current_thread().name) or fetch(*a, **k)
+        decoded = _run(tp2, "decode", prompt, do_remote_prefill=True)
+        assert decoded.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert decoded.num_cached_tokens == 192
+        assert readers and all(name.startswith("kvserve-kv-load") for name in readers), readers
+        assert restored.keys() == written.keys()
+        for key, fields in written.items():  # both ranks' pools hold the producer's bytes again
+            assert all(torch.equal(a, b) for a, b in zip(restored[key], fields, strict=True))
+        tp2.kv.check_integrity()
+
+        assert tp1.reset_prefix_cache()
+        other = _run(tp1, "decode-tp1", prompt, do_remote_prefill=True)
+        assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert tp1.get_stats().tier_hits.get("redis", 0) == 0
+    finally:
+        tp2.close()
+        tp1.close()

@@ -339,9 +339,6 @@ def test_bad_settings_are_start_up_errors_naming_the_flag(tiny, monkeypatch):
     with pytest.raises(ConfigError, match=rf"--tensor-parallel-size {cores * 2} needs at least one CPU per replica.*"
                                           rf"lower --tensor-parallel-size to at most {cores}"):
         LLM(tiny, dtype="float32", tensor_parallel_size=cores * 2)
-    with pytest.raises(ConfigError, match=r"--kv-transfer-config is not implemented with --tensor-parallel-size 2"):
-        EngineArgs(model=tiny, tensor_parallel_size=2, kv_transfer_config={"kv_connector": "RedisConnector",
-                   "kv_role": "kv_producer"}, kv_redis_url="redis://127.0.0.1:1/0").validate()
     with pytest.raises(ConfigError, match=r"--distributed-executor-backend uni runs one process"):
         EngineArgs(model=tiny, tensor_parallel_size=2, distributed_executor_backend="uni").validate()
     with pytest.raises(ConfigError, match=r"--tensor-parallel-size must be >= 1"):

@@ -381,10 +381,6 @@ class EngineArgs:
             import importlib.util
             if importlib.util.find_spec("ray") is None:
                 raise ConfigError(NO_RAY)
-        refused = [(self.kv_transfer_config is not None, "--kv-transfer-config")]
-        for hit, what in refused:
-            if hit:
-                raise ConfigError(f"{what} is not implemented with --tensor-parallel-size {tp}; drop one of them")
 
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:

@@ -38,6 +38,7 @@ class KVTransfer:
         self.config = llm.args.kv_transfer
         self.fingerprint = llm.kv_fingerprint
         self.block_size = llm.args.block_size
+        self.tp_size = llm.args.tensor_parallel_size
         url = urlparse(llm.args.kv_redis_url) if llm.args.kv_redis_url else None
         self.host, self.port = (url.hostname, url.port or 6379) if url is not None else (None, None)
         self.requests = Counter("kvserve:kv_transfer_requests", "Disaggregated prefill/decode requests by role and "
@@ -85,8 +86,14 @@ class KVTransfer:
                            param="kv_transfer_params.remote_num_tokens")
         remote = params.get("remote_engine_id")
         if remote != self.fingerprint:
+            # Under tensor parallelism an entry holds every rank's heads in rank order: only a
+            # decode server with the producer's rank count can split it back.
+            remote_tp = params.get("tp_size")
+            tp = (f" (the prefill server runs --tensor-parallel-size {remote_tp}, this one {self.tp_size})"
+                  if isinstance(remote_tp, int) and remote_tp != self.tp_size else "")
             logger.warning("kv transfer: the prefill server's KV (engine %r) is not this engine's (%s): another "
-                           "model, dtype, block size or layout; computing the prompt here", remote, self.fingerprint)
+                           "model, dtype, block size or layout%s; computing the prompt here", remote,
+                           self.fingerprint, tp)
             return Plan("consumer", expected, refused=True)
         return Plan("consumer", expected)
 
@@ -109,7 +116,7 @@ class KVTransfer:
             self.tokens.labels("sent").inc(written)
             return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.fingerprint,
                     "remote_block_ids": list(range(written // self.block_size)), "remote_host": self.host,
-                    "remote_port": self.port, "tp_size": 1, "remote_num_tokens": written}
+                    "remote_port": self.port, "tp_size": self.tp_size, "remote_num_tokens": written}
         # The last prompt token is always computed (its logits sample the first output token), so
         # its block, when full, is computed too: only the full blocks before it can be read.
         want = min(plan.expected_tokens, (len(out.prompt_token_ids) - 1) // self.block_size * self.block_size)
