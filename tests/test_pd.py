@@ -289,3 +289,63 @@ def test_tp2_prefill_and_decode_move_every_ranks_heads_and_tp1_never_reads_them(
     finally:
         tp2.close()
         tp1.close()
+
+
+@pytest.mark.slow
+def test_vllm_router_drives_tp2_servers_and_a_tp1_decode_server_refuses_their_kv(tiny):
+    """A TP=2 prefill server and a TP=2 decode server behind vllm-router: the decode server loads
+    every block the prefill server wrote and the tokens are a TP=1 server's (fp32). The same
+    prefill's KV handed to a TP=1 decode server is refused by its fingerprint, counted, computed:
+    the same tokens."""
+    from redis_server import RedisServer
+    with RedisServer() as redis:
+        tier = ["--kv-redis-url", redis.url]
+        started, router, log = [], None, None
+        try:
+            producer = start_server(tiny, *ARGS, *tier, *role("kv_producer"), "-tp", "2")
+            started.append(producer)
+            consumer = start_server(tiny, *ARGS, *tier, *role("kv_consumer"), "-tp", "2")
+            started.append(consumer)
+            tp1 = start_server(tiny, *ARGS, *tier, *role("kv_consumer"))
+            started.append(tp1)
+            port = free_port()
+            log = tempfile.NamedTemporaryFile(prefix="vllm-router-pd-tp-", suffix=".log", delete=False)
+            router = subprocess.Popen(
+                [shutil.which("vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+                 "--prefill", producer.url, "--decode", consumer.url, "--policy", "round_robin",
+                 "--prometheus-port", str(free_port()), "--worker-startup-timeout-secs", "60",
+                 "--worker-startup-check-interval", "1", "--request-timeout-secs", "60"],
+                stdout=log, stderr=subprocess.STDOUT)
+            url = f"http://127.0.0.1:{port}"
+
+            def ready():
+                assert router.poll() is None, open(log.name).read()[-3000:]
+                try:
+                    return httpx.get(f"{url}/health", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    return False
+            wait_until(ready, 60, 0.2, "vllm-router in PD mode")
+            expected = complete(tp1.url, PROMPTS[0]).json()["choices"][0]["text"]  # TP=1, no handshake
+            through = complete(url, PROMPTS[0])
+            assert through.status_code == 200, through.text
+            assert through.json()["choices"][0]["text"] == expected
+            assert consumer.metric("kvserve:kv_transfer_requests_total", role="consumer", outcome="loaded") == 1
+            assert consumer.metric("kvserve:kv_transfer_recomputed_tokens_total") == 0
+            assert consumer.metric("kvserve:prefix_cache_hits_by_tier_total", tier="redis") > 0
+
+            params = prefill(producer, PROMPTS[1])
+            assert params["tp_size"] == 2 and params["remote_num_tokens"] > 0
+            refused = complete(tp1.url, PROMPTS[1], kv_transfer_params=params)
+            assert refused.status_code == 200, refused.text
+            assert refused.json()["choices"][0]["text"] == complete(consumer.url, PROMPTS[1]).json()["choices"][0]["text"]
+            assert tp1.metric("kvserve:kv_transfer_requests_total", role="consumer", outcome="refused") == 1
+            assert tp1.metric("kvserve:kv_transfer_recomputed_tokens_total") >= params["remote_num_tokens"] - 16
+            assert tp1.metric("kvserve:prefix_cache_hits_by_tier_total", tier="redis") == 0
+            assert "--tensor-parallel-size 2, this one 1" in tp1.log()
+        finally:
+            if router is not None:
+                terminate(router)
+            if log is not None:
+                os.unlink(log.name)
+            for s in started:
+                s.stop()
