@@ -218,3 +218,51 @@ def test_data_parallel_routing_keeps_prefixes_where_round_robin_scatters_them(tm
     one = sim.simulate(trace, sim.SimConfig(block_size=16, num_blocks=80), max_model_len=512)
     assert rates["cache_aware"] > rates["round_robin"] + 0.2, rates
     assert rates["cache_aware"] > one.prefix_hit_rate, (rates, one.prefix_hit_rate)  # twice the pool, used as such
+
+
+def test_cli_pins_from_a_servers_pins_json(tmp_path, capsys):
+    """--pins replays a server's pins.json: a 96-token prefix that floods of unique prompts evict
+    under LRU is hit by every request once pinned; bad pin files are errors naming the flag."""
+    from kvserve.cli import main
+
+    prefix = list(range(5000, 5096))
+    log = tmp_path / "requests.jsonl"
+    with open(log, "w") as f:
+        for i in range(10):
+            for j, ids in enumerate([prefix + [9000 + i]] + [[20000 + 1000 * i + 100 * j + k for k in range(90)]
+                                                           for j in range(3)]):
+                f.write(format_request_log_record(request_id=f"r{i}-{j}", prompt_tokens=len(ids), output_tokens=4,
+                                                  cached_tokens=0, ttft=0.1, e2e=0.2, finish_reason="length",
+                                                  prompt_token_ids=ids, time=1000.0 + 5 * i + 0.1 * j) + "\n")
+    pins = tmp_path / "pins.json"
+    pins.write_text(json.dumps({"version": 1, "fingerprint": "ab", "pins": [
+        {"id": "sys", "prompt_token_ids": prefix, "cache_salt": "tenant-a", "lora": None, "created": 1.0}]}))
+
+    def hits(*extra) -> float:
+        out = tmp_path / "sim.json"
+        assert main(["simulate", "--trace", str(log), "--num-blocks", "24", "--block-size", "16",
+                     "--json", str(out), *extra]) == 0
+        capsys.readouterr()
+        doc = json.loads(out.read_text())
+        return doc["results"][0]["prefix_cache_hits"], doc["notes"]
+
+    lru, _ = hits()
+    pinned, notes = hits("--pins", str(pins))
+    assert pinned == 10 * 96 > lru
+    assert any("tenant (cache_salt)" in n for n in notes)
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps([prefix]))
+    assert hits("--pins", str(plain))[0] == pinned
+    bad = tmp_path / "bad.json"
+    for content, message in (("{", "is not JSON"), ('{"pins": [{"id": "x"}]}', "pin 0 has no prompt_token_ids"),
+                             ('{"pins": 3}', "expected a server's pins.json")):
+        bad.write_text(content)
+        assert main(["simulate", "--trace", str(log), "--pins", str(bad)]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(log), "--pins", str(tmp_path / "none.json")]) == 2
+    assert "cannot open" in capsys.readouterr().err
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps([prefix, list(range(100, 260))]))
+    assert main(["simulate", "--trace", str(log), "--num-blocks", "16", "--block-size", "16",
+                 "--max-model-len", "200", "--pins", str(big)]) == 1
+    assert "leaving less than one max-model-len sequence unpinned" in capsys.readouterr().out

@@ -26,7 +26,7 @@ from kvserve.sched.scheduler import Scheduler
 from kvserve.tools.cost_model import CostModelRunner, StepCost
 from kvserve.tools.plan import DTYPE_BYTES, fmt_bytes, kv_bytes_per_block, normalize_dtype, plan_kv
 from kvserve.tools.presets import count_parameters, resolve_model
-from kvserve.tools.workload import (DEFAULT_TOKEN_RANGE, LengthDist, Trace, WorkloadSpec, synthetic_trace,
+from kvserve.tools.workload import (DEFAULT_TOKEN_RANGE, LengthDist, Trace, WorkloadSpec, load_pins, synthetic_trace,
                                     trace_from_request_log)
 
 # Dense bf16 peak and HBM bandwidth; "cpu" is CostModelRunner's own default (a 2-core laptop class).
@@ -136,6 +136,16 @@ def simulate(trace: Trace, cfg: SimConfig, max_model_len: int, cost: StepCost | 
     if cfg.num_blocks * cfg.block_size < max_model_len:
         res.error = (f"the pool holds {cfg.num_blocks * cfg.block_size} tokens, less than max-model-len "
                      f"{max_model_len}: give it more KV memory or lower --max-model-len")
+        return res
+    pinned_blocks = sum(len(p) // cfg.block_size for p in pins)
+    too_long = [i for i, p in enumerate(pins) if len(p) >= max_model_len]
+    if too_long:
+        res.error = (f"pin {too_long[0]} holds {len(pins[too_long[0]])} tokens, not less than max-model-len "
+                     f"{max_model_len}: raise --max-model-len")
+        return res
+    if pinned_blocks + -(-max_model_len // cfg.block_size) > cfg.num_blocks:
+        res.error = (f"the pins hold {pinned_blocks} of the pool's {cfg.num_blocks} blocks, leaving less than one "
+                     f"max-model-len sequence unpinned (the engine refuses such a pin): give it more KV memory")
         return res
     recorded: dict[str, tuple[int, list[int]]] = {}
     replicas = [_Replica(cfg, max_model_len, ReplayRunner(recorded, vocab_size=vocab_size, cost=cost))
@@ -374,12 +384,19 @@ def run_sweep(args, progress=None) -> SweepReport:
     if need > max_model_len:
         notes.append(f"the longest request needs {need} tokens, more than max-model-len {max_model_len}: "
                      "longer requests are skipped, as the engine would refuse them")
+    pins: list[list[int]] = []
+    if args.pins:
+        pins, pin_notes = load_pins(args.pins)
+        notes += pin_notes
+        if any(t >= cfg.vocab_size for p in pins for t in p):
+            raise ConfigError(f"--pins {args.pins}: token ids past the vocabulary of {cfg.name} ({cfg.vocab_size}); "
+                              f"give the pins.json of a server running this model")
     results = []
     configs = build_configs(args, cfg, dtype)
     for c in configs:
         bpt = kv_bytes_per_block(cfg, c.block_size, c.kv_cache_dtype, dtype) / c.block_size
         cost = step_cost(cfg, dtype, bpt, args.hardware, args.step_overhead_ms)
-        results.append(simulate(trace, c, max_model_len, cost, cfg.vocab_size))
+        results.append(simulate(trace, c, max_model_len, cost, cfg.vocab_size, pins=pins))
         if progress is not None:
             progress(len(results), len(configs), c)
     return SweepReport(cfg.name, trace.source, trace.num_requests, max_model_len, args.hardware, notes, results)
@@ -428,6 +445,8 @@ def add_parser(subparsers) -> None:
     src.add_argument("--priority-levels", type=int, default=1, help="random priorities 0..N-1 (for --scheduling-policy priority)")
     src.add_argument("--token-range", default=f"{DEFAULT_TOKEN_RANGE[0]}:{DEFAULT_TOKEN_RANGE[1]}", help=argparse.SUPPRESS)
     src.add_argument("--seed", type=int, default=0)
+    src.add_argument("--pins", metavar="PINS_JSON", help="prefixes pinned on every replica before the first "
+                     "request: a server's pins.json (in its --kv-disk-path) or a JSON list of token-id lists")
     m = p.add_argument_group("model and cost model")
     m.add_argument("--model", help="preset, config.json, model directory or .gguf (default SmolLM2-135M)")
     m.add_argument("--dtype", default="auto", help="model dtype for KV auto and weight bytes")

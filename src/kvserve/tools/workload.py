@@ -273,3 +273,33 @@ def trace_from_request_log(path: str, *, shared_prefix_fraction: float = 0.0, pr
     if bad_retention:
         notes.append(f"{bad_retention} record(s) with a malformed cache_retention replayed with the default")
     return Trace(convs, path, notes)
+
+
+def load_pins(path: str) -> tuple[list[list[int]], list[str]]:
+    """The prefixes a server had pinned, from its `pins.json` (the --kv-disk-path directory records
+    its pins there) or a JSON list of token-id lists; with notes on what the simulator does not
+    model (a pin's tenant salt or adapter: it replays as a plain prefix)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--pins {path}: cannot open it ({e.strerror})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--pins {path} is not JSON ({e}); give a server's pins.json or a list of "
+                          f"token-id lists") from None
+    items = doc.get("pins") if isinstance(doc, dict) else doc
+    if not isinstance(items, list):
+        raise ConfigError(f"--pins {path}: expected a server's pins.json ({{\"pins\": [...]}}) or a list of "
+                          f"token-id lists")
+    pins, notes, scoped = [], [], 0
+    for i, item in enumerate(items):
+        ids = item.get("prompt_token_ids") if isinstance(item, dict) else item
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ConfigError(f"--pins {path}: pin {i} has no prompt_token_ids (a non-empty list of token ids)")
+        if isinstance(item, dict) and (item.get("cache_salt") or item.get("lora")):
+            scoped += 1
+        pins.append(ids)
+    if scoped:
+        notes.append(f"{scoped} of the {len(pins)} pins belong to a tenant (cache_salt) or an adapter; the "
+                     f"simulator models neither, so they replay as plain prefixes every request can hit")
+    return pins, notes
