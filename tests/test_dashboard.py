@@ -10,7 +10,7 @@ import pytest
 from server_util import start_server
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.snapshot import CACHED, FREE, SHARED, USED, block_map, prefix_tree
+from kvserve.kv.snapshot import CACHED, FREE, PINNED, SHARED, STATES, USED, block_map, prefix_tree
 from kvserve.server.dashboard import parse_params
 from kvserve.server.protocol import APIError
 
@@ -35,9 +35,32 @@ def test_block_map_aggregates_a_large_pool_into_few_cells():
     pool.record_tokens(a, b"root", [1] * 16)
     pool.free([a])  # a: cached, evictable
     m = block_map(pool, 1024)
-    assert m["cells"] <= 1024 and len(m["counts"]) == 4 * m["cells"]
-    totals = [sum(m["counts"][s::4]) for s in range(4)]
+    assert m["cells"] <= 1024 and len(m["counts"]) == STATES * m["cells"] and m["states"] == STATES
+    totals = [sum(m["counts"][s::STATES]) for s in range(STATES)]
     assert totals[FREE] == 100_000 - 2 and totals[CACHED] == 1 and totals[USED] == 0 and totals[SHARED] == 1
+    assert totals[PINNED] == 0
+
+
+def test_block_map_shows_a_block_held_by_a_pin_alone_as_pinned():
+    from kvserve.kv.pins import PinTable
+    pool = BlockPool(8, 4)
+    pins = PinTable(pool)
+    a, b = pool.allocate(), pool.allocate()
+    for i, blk in enumerate((a, b)):
+        pool.record_tokens(blk, b"root", [i] * 4)
+        pool.cache_full_block(blk, bytes([i]) * 32)
+    pins.pin("p", None, [a, b])
+    pool.free([a, b])  # the request ends: the pin alone holds both
+    pool.touch(b)  # a new request reads b beside the pin
+
+    def totals():
+        m = block_map(pool, 8, pins.owners())
+        return [sum(m["counts"][s::STATES]) for s in range(STATES)]
+    assert totals()[PINNED] == 1 and totals()[USED] == 1 and totals()[FREE] == 6
+    pool.free([b])
+    assert totals()[PINNED] == 2 and totals()[USED] == 0
+    pins.unpin("p")
+    assert totals()[PINNED] == 0 and totals()[CACHED] == 2
 
 
 def test_prefix_tree_shows_own_tokens_and_only_counts_of_others():
@@ -93,7 +116,8 @@ def test_dashboard_behind_the_key_tenant_safe_and_true_to_metrics(server):
                       ("blocks_used", "kvserve:kv_blocks_used")):
         assert alice["now"][key] == next(v for k, v in metrics.items() if k.startswith(name + "{")), key
     cells = alice["engine"]["block_map"]["counts"]
-    assert sum(cells[CACHED::4]) == alice["now"]["blocks_cached"] > 0
+    assert sum(cells[CACHED::STATES]) == alice["now"]["blocks_cached"] > 0
+    assert sum(cells[PINNED::STATES]) == alice["now"]["blocks_pinned"] == 0
     assert "zebras" in json.dumps(alice["engine"]["prefix_tree"]["prefixes"])
     assert "zebras" not in json.dumps(bob) and "token_ids" not in json.dumps(bob)
     assert bob["engine"]["prefix_tree"]["prefixes"] == []

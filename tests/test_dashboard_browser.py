@@ -48,6 +48,9 @@ def test_dashboard_in_headless_chromium_matches_metrics(tmp_path):
                 pass
     workers = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(3)]
     try:
+        pin = httpx.post(f"{server.url}/v1/cache/pins", timeout=120,
+                         json={"prompt": "A pinned system prompt that the dashboard shows in its own colour. " * 4})
+        assert pin.status_code == 200, pin.text
         for w in workers:
             w.start()
         wait_until(lambda: server.metric("kvserve:kv_blocks_used") > 0, timeout=60, interval=0.2,
@@ -58,6 +61,7 @@ def test_dashboard_in_headless_chromium_matches_metrics(tmp_path):
         metrics_usage = server.metric("vllm:gpu_cache_usage_perc")
         assert int(re.search(r'data-updates="(\d+)"', dom).group(1)) >= 2, "the page did not poll twice"
         assert int(_attr(dom, "blocks", "data-blocks_total")) == server.metric("kvserve:kv_blocks_total") == 96
+        assert int(_attr(dom, "blocks", "data-blocks_pinned")) == server.metric("kvserve:kv_cache_pinned_blocks") > 0
         # usage moves as requests start and finish: within a quarter of the pool of /metrics' reading
         assert abs(float(_attr(dom, "kv-usage", "data-value")) - metrics_usage) <= 0.25
         assert float(_attr(dom, "kv-usage", "data-value")) > 0

@@ -11,23 +11,32 @@ import time
 
 from kvserve.kv.block_pool import Block, BlockPool
 
-FREE, CACHED, USED, SHARED = 0, 1, 2, 3  # a cell's counts, in this order
+FREE, CACHED, USED, SHARED, PINNED = range(5)  # a cell's counts, in this order
+STATES = 5
 MAX_CELLS = 16384
 TEXT_TOKENS = 48  # token ids sent per tree node (the page shows their text, shortened)
 
 
-def block_map(pool: BlockPool, cells: int) -> dict:
+def block_map(pool: BlockPool, cells: int, pinned: dict[int, int] | None = None) -> dict:
     """Blocks aggregated into at most `cells` cells of consecutive block ids; per cell the count
-    of free, cached (evictable), used (one user) and shared (several users) blocks."""
+    of free, cached (evictable), used (one user), shared (several users) and pinned blocks.
+    `pinned`: the references pins hold, by block id (PinTable.owners()); a block held by a pin
+    alone is pinned, one a request reads as well counts as that request's (used or shared)."""
     n = pool.num_blocks
     per = -(-n // max(1, min(cells, n, MAX_CELLS)))
     cells = -(-n // per)
-    counts = [0] * (4 * cells)
+    counts = [0] * (STATES * cells)
+    pinned = pinned or {}
     for b in pool.blocks:
-        r = b.ref_cnt
-        state = (SHARED if r > 1 else USED) if r else (CACHED if b.parent_hash is not None else FREE)
-        counts[4 * (b.block_id // per) + state] += 1
-    return {"num_blocks": n, "blocks_per_cell": per, "cells": cells, "counts": counts}
+        r = b.ref_cnt - pinned.get(b.block_id, 0)
+        if r:
+            state = SHARED if r > 1 else USED
+        elif b.ref_cnt:
+            state = PINNED
+        else:
+            state = CACHED if b.parent_hash is not None else FREE
+        counts[STATES * (b.block_id // per) + state] += 1
+    return {"num_blocks": n, "blocks_per_cell": per, "cells": cells, "states": STATES, "counts": counts}
 
 
 def prefix_tree(pool: BlockPool, own_roots: set[bytes], top: int = 8, max_depth: int = 6,
@@ -114,7 +123,7 @@ def kv_snapshot(kv, running: list, waiting: list, cells: int, top: int, own_salt
     from kvserve.kv.hashing import root_hash
     own_roots = {root_hash(kv.kv_cache_dtype, own_salt, None)}
     t0 = time.perf_counter()
-    out = {"block_map": block_map(kv.pool, cells), "block_size": kv.block_size,
+    out = {"block_map": block_map(kv.pool, cells, kv.pins.owners()), "block_size": kv.block_size,
            "prefix_tree": prefix_tree(kv.pool, own_roots, top) if kv.enable_caching else None,
            "requests": request_rows(kv, running, waiting, own_salt, max_requests)}
     out["snapshot_ms"] = round((time.perf_counter() - t0) * 1000, 3)

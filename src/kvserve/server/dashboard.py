@@ -119,6 +119,7 @@ def add_dashboard(app: FastAPI, llm, series: DashboardSeries, tenant, tokenizer)
         out = {"time": time.time(), "sample_s": series.sample_s, "window_s": series.sample_s * series.samples.maxlen,
                "now": {"kv_usage": s.kv_usage, "cached_usage": s.cached_usage, "blocks_total": s.num_blocks_total,
                        "blocks_used": s.num_blocks_used, "blocks_cached": s.num_blocks_cached,
+                       "blocks_pinned": s.num_pinned_blocks,
                        "blocks_free": s.num_blocks_free, "running": s.num_running, "waiting": s.num_waiting,
                        "hit_rate": s.prefix_cache_hits / lookups if lookups else None,
                        "preemptions": s.num_preemptions, "evictions": s.num_cached_block_evictions,
