@@ -29,6 +29,7 @@ reading its share of the Q4_1 codes (--quantization gguf) against its dequantize
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -64,17 +65,32 @@ def checkpoint(directory: str) -> str:
     return str(d)
 
 
-def measure(model: str, label: str, tp: int, decode_batch: int, **kw) -> dict:
+@contextlib.contextmanager
+def _engine(model: str | None, label: str, tp: int, **kw):
+    """The LLM a row measures, bf16; a TP=1 "one core" row runs on one core (as one rank of TP=2
+    does). The engine is closed and this process's CPUs and threads restored after."""
     import torch
 
-    from kvserve import LLM, SamplingParams
+    from kvserve import LLM
     affinity, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
-    if tp == 1 and "one core" in label:  # the same core count as one rank of TP=2
+    if tp == 1 and "one core" in label:
         os.sched_setaffinity(0, affinity[:1])
         torch.set_num_threads(1)
-    llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, kv_cache_memory=256 << 20, max_model_len=1024,
-              enable_prefix_caching=False, max_num_seqs=max(decode_batch, PREFILL_PROMPTS), **kw)
+    llm = None
     try:
+        llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, **kw)
+        yield llm
+    finally:
+        if llm is not None:
+            llm.engine.close()
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+def measure(model: str, label: str, tp: int, decode_batch: int, **kw) -> dict:
+    from kvserve import SamplingParams
+    with _engine(model, label, tp, kv_cache_memory=256 << 20, max_model_len=1024, enable_prefix_caching=False,
+                 max_num_seqs=max(decode_batch, PREFILL_PROMPTS), **kw) as llm:
         eng = llm.engine
         if "Python loop" in label:
             eng.runner.model.use_compiled_decoder = False
@@ -106,26 +122,13 @@ def measure(model: str, label: str, tp: int, decode_batch: int, **kw) -> dict:
                        all_reduce_us_per_call=round(1e6 * seconds / calls, 1), all_reduce_calls_per_step=calls // steps,
                        all_reduce_share=round(seconds / elapsed, 3))
         return row
-    finally:
-        llm.engine.close()
-        os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
 
 
 def measure_workloads(model: str, label: str, tp: int, num_requests: int) -> dict:
     """bench/throughput.py's standard offline workloads (random: prompts of 128-512 tokens, 128
     out; shared: a 1,024-token prefix + 32 unique tokens, 32 out), prefix caching on: output tok/s."""
     import throughput
-    import torch
-
-    from kvserve import LLM
-    affinity, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
-    if tp == 1 and "one core" in label:
-        os.sched_setaffinity(0, affinity[:1])
-        torch.set_num_threads(1)
-    llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, kv_cache_memory=512 << 20, max_model_len=2048,
-              max_num_seqs=num_requests)
-    try:
+    with _engine(model, label, tp, kv_cache_memory=512 << 20, max_model_len=2048, max_num_seqs=num_requests) as llm:
         workloads = throughput.make_workloads(num_requests, llm.engine.model_config.vocab_size)
         throughput.run_kvserve(llm, workloads["random"][0][:4], 4)  # warm
         row = {"label": label, "tp": tp}
@@ -134,10 +137,6 @@ def measure_workloads(model: str, label: str, tp: int, num_requests: int) -> dic
             row[f"{name}_out_tok_s"] = round(r["output_tok_per_s"], 1)
             row[f"{name}_seconds"] = round(r["seconds"], 2)
         return row
-    finally:
-        llm.engine.close()
-        os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
 
 
 def _dispatch_rank1(port: int, conn, address, authkey: bytes, iters: int) -> None:

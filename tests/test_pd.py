@@ -171,51 +171,6 @@ def test_handshake_errors_name_the_field(pd):
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
 
 
-@pytest.mark.slow
-def test_the_decode_side_reads_remote_kv_off_the_step_and_aborts_cleanly(tiny, redis_server):
-    import threading
-
-    from helpers import greedy, rand_prompts
-
-    from kvserve import LLM
-    engine = LLM(tiny, dtype="float32", block_size=16, max_model_len=512, kv_redis_url=redis_server.url,
-                 kv_transfer_config={"kv_connector": "RedisConnector", "kv_role": "kv_both"}).llm_engine
-    prompt = rand_prompts(3, [200], 1000)[0]
-
-    def run(rid, **transfer):
-        engine.add_request(rid, prompt, greedy(6, kv_transfer_params=transfer or None))
-        outs = []
-        for _ in range(200):
-            outs += [o for o in engine.step() if o.finished]
-            if not engine.has_unfinished_requests():
-                return outs[-1]
-        raise AssertionError("did not finish")
-
-    alone = run("plain")
-    assert engine.reset_prefix_cache()
-    run("prefill", do_remote_decode=True)  # the prompt's blocks written to Redis
-    assert engine.reset_prefix_cache()  # the device copy gone: the decode must read Redis
-    readers = []
-    fetch = engine.kv_tiers.fetch
-    engine.kv_tiers.fetch = lambda *a, **k: readers.append(threading.current_thread().name) or fetch(*a, **k)
-    decoded = run("decode", do_remote_prefill=True)
-    assert decoded.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert decoded.num_cached_tokens == 192  # 12 blocks; the 13th holds the last prompt token
-    assert readers and all(name.startswith("kvserve-kv-load") for name in readers), readers
-    # aborted while its read is in flight: nothing is left behind, the read's result is dropped
-    assert engine.reset_prefix_cache()
-    engine.add_request("gone", prompt, greedy(6, kv_transfer_params={"do_remote_prefill": True}))
-    assert "gone" in engine._loading
-    engine.abort_request("gone")
-    assert not engine.has_unfinished_requests() and not engine._loading
-    for _ in range(3):
-        engine.step()
-    engine.kv.check_integrity()
-    assert not engine.scheduler.has_unfinished_requests()
-
-
-# -- with tensor parallelism: an entry holds every rank's heads, the fingerprint names the rank count --
-
 def _both(tiny: str, redis_url: str, tp: int, kv_cache_dtype: str = "auto"):
     from kvserve import LLM
     return LLM(tiny, dtype="float32", block_size=16, max_model_len=512, kv_redis_url=redis_url,
@@ -233,6 +188,39 @@ def _run(engine, rid: str, prompt, **transfer):
             return outs[-1]
     raise AssertionError("did not finish")
 
+
+@pytest.mark.slow
+def test_the_decode_side_reads_remote_kv_off_the_step_and_aborts_cleanly(tiny, redis_server):
+    import threading
+
+    from helpers import greedy, rand_prompts
+
+    engine = _both(tiny, redis_server.url, 1)
+    prompt = rand_prompts(3, [200], 1000)[0]
+    alone = _run(engine, "plain", prompt)
+    assert engine.reset_prefix_cache()
+    _run(engine, "prefill", prompt, do_remote_decode=True)  # the prompt's blocks written to Redis
+    assert engine.reset_prefix_cache()  # the device copy gone: the decode must read Redis
+    readers = []
+    fetch = engine.kv_tiers.fetch
+    engine.kv_tiers.fetch = lambda *a, **k: readers.append(threading.current_thread().name) or fetch(*a, **k)
+    decoded = _run(engine, "decode", prompt, do_remote_prefill=True)
+    assert decoded.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert decoded.num_cached_tokens == 192  # 12 blocks; the 13th holds the last prompt token
+    assert readers and all(name.startswith("kvserve-kv-load") for name in readers), readers
+    # aborted while its read is in flight: nothing is left behind, the read's result is dropped
+    assert engine.reset_prefix_cache()
+    engine.add_request("gone", prompt, greedy(6, kv_transfer_params={"do_remote_prefill": True}))
+    assert "gone" in engine._loading
+    engine.abort_request("gone")
+    assert not engine.has_unfinished_requests() and not engine._loading
+    for _ in range(3):
+        engine.step()
+    engine.kv.check_integrity()
+    assert not engine.scheduler.has_unfinished_requests()
+
+
+# -- with tensor parallelism: an entry holds every rank's heads, the fingerprint names the rank count --
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

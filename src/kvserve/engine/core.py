@@ -37,6 +37,7 @@ class CoreBatch:
     ended: list = field(default_factory=list)  # (last RequestOutput, reason) of requests ended unfinished
     # A failed step: (request ids it failed, message); those requests are already aborted.
     failed: tuple[list[str], str] | None = None
+    fatal: str | None = None  # why the engine cannot run another step: its process exits after this batch
     kv_events: list = field(default_factory=list)  # KV events, when the front end routes by them
     rank: int = 0  # the data-parallel replica that ran it
 
@@ -121,8 +122,8 @@ class EngineCore:
         if self.publisher is not None:
             self.publisher.publish(events)
         batch = CoreBatch(outputs, progress, stats, time.monotonic(), self.num_step_errors, self._replies,
-                          self._aborted, self._ended, self._failed, events if self.forward_kv_events else [],
-                          self.rank)
+                          self._aborted, self._ended, self._failed, self.fatal,
+                          events if self.forward_kv_events else [], self.rank)
         self._replies, self._aborted, self._ended, self._failed = [], [], [], None
         return batch
 

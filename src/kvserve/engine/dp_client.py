@@ -254,7 +254,7 @@ class DPClient:
                 for rid in rids:
                     self._rank_of.pop(rid, None)
                 batch.failed = (rids, f"data-parallel replica {rank}: {why}")
-                if "tensor-parallel" in why:  # its group cannot step again: the replica's process exits next
+                if batch.fatal:  # its tensor-parallel group cannot step again: the replica's process exits next
                     self._fatal[rank] = why
         self.on_batch(batch)
 

@@ -82,6 +82,12 @@ _SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
+def _projection(name: str) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'q_proj' ('' for a name of fewer parts)."""
+    part = name.rsplit(".", 2)
+    return part[-2] if len(part) == 3 else ""
+
+
 def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, tp: int
                   ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors under the same HF names, for a LlamaModel built from rank_config."""
@@ -89,8 +95,7 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
         return weights
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
-        part = name.rsplit(".", 2)
-        proj = part[-2] if len(part) == 3 else ""
+        proj = _projection(name)
         if proj in ROW_PARALLEL and name.endswith(".bias"):
             if rank == 0:  # added once, to the all-reduced sum
                 out[name] = w
@@ -102,13 +107,8 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
 
 
 # The fused projections (model/llama.py) whose rank shares must fill the codes kernel's panels.
-_FUSED = {"qkv_proj": ("self_attn.", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp.", ("gate_proj", "up_proj"))}
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _PANEL_ROWS = 64  # model/linear.py packs (and reads codes) only for a multiple of 64 output rows
-
-
-def _projection(name: str) -> str:
-    part = name.rsplit(".", 2)
-    return part[-2] if len(part) == 3 else ""
 
 
 def codes_split_problems(cfg: ModelConfig, tp: int, codes: dict[str, GGUFBlocks]) -> dict[str, str]:
@@ -129,7 +129,7 @@ def codes_split_problems(cfg: ModelConfig, tp: int, codes: dict[str, GGUFBlocks]
                          (rank_cfg.num_attention_heads + 2 * rank_cfg.num_key_value_heads) * d),
             "gate_up_proj": (2 * cfg.intermediate_size, 2 * rank_cfg.intermediate_size)}
     for fused, (whole, local) in rows.items():
-        if whole % _PANEL_ROWS == 0 and local % _PANEL_ROWS and any(_projection(n) in _FUSED[fused][1] for n in codes):
+        if whole % _PANEL_ROWS == 0 and local % _PANEL_ROWS and any(_projection(n) in _FUSED[fused] for n in codes):
             problems[fused] = (f"{fused}'s {whole} output rows split {tp} ways are {local} per rank, not a multiple "
                                f"of the {_PANEL_ROWS}-row panels the GGUF codes kernel reads")
     return problems
@@ -139,7 +139,7 @@ def _unsplit(problems: dict[str, str]) -> set[str]:
     """The projection names (q_proj, ...) whose codes a rank does not keep."""
     out = set()
     for what in problems:
-        out.update(_FUSED[what][1] if what in _FUSED else (what,))
+        out.update(_FUSED[what] if what in _FUSED else (what,))
     return out
 
 
